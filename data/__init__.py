@@ -1,0 +1,1 @@
+"""draftsmith data: target loading, ShareGPT reading, tokenization, regeneration and the feature cache."""

@@ -1,0 +1,124 @@
+"""One call from a data config to train/val feature caches: read -> split -> [regenerate] ->
+tokenize -> cache, reusing a cache built earlier from the same target, data and settings."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from data.chat import split_conversations, tokenize_conversations
+from data.features import FeatureCacheError, build_feature_cache
+from data.regenerate import regenerate_conversations
+from data.sharegpt import read_sharegpt
+
+DEFAULTS: dict[str, Any] = {
+    "path": None, "num_conversations": None, "max_length": 1024,
+    "split": {"val": 0.02, "test": 0.02},
+    "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
+                   "batch_size": 8, "max_prompt_tokens": 1024},
+    "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256},
+}
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    if cfg is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:
+        pass
+    return dict(cfg)
+
+
+def resolve_data_config(cfg_data: Any) -> dict[str, Any]:
+    """Data config merged over `DEFAULTS`; unknown keys are an error naming the allowed ones."""
+    user = _as_dict(cfg_data)
+    out: dict[str, Any] = {}
+    for key, default in DEFAULTS.items():
+        val = user.get(key, default)
+        if isinstance(default, dict):
+            val = {**default, **(val or {})}
+            extra = set(val) - set(default)
+            if extra:
+                raise ValueError(f"unknown keys data.{key}.{sorted(extra)}; allowed: "
+                                 f"{sorted(default)}")
+        out[key] = val
+    extra = set(user) - set(DEFAULTS) - {"name"}
+    if extra:
+        raise ValueError(f"unknown data config keys {sorted(extra)}; allowed: "
+                         f"{sorted(DEFAULTS) + ['name']}")
+    out["name"] = user.get("name", "sharegpt")
+    return out
+
+
+def default_feature_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "draftsmith" / "features"
+
+
+def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
+                 layers: list[int] | None = None, is_main: bool = True
+                 ) -> tuple[Path, Path, dict[str, Any]]:
+    """Build (or reuse) the train and val feature caches for a data config.
+
+    Args:
+        cfg_data: The ``data`` config group (DictConfig or dict; see conf/data/sharegpt.yaml).
+        target: `LoadedTarget` (model, tokenizer with chat template, identity).
+        out_dir: Root for caches; default ``data.cache.dir`` or
+            ``$XDG_CACHE_HOME/draftsmith/features``.
+            Caches go to ``<root>/<key>/{train,val}`` where key hashes target, data and settings.
+        layers: Extra hidden-state layer ids the draft needs (merged with ``cache.layers``).
+        is_main: Only the main process builds; others expect a finished cache.
+
+    Returns:
+        ``(train_cache_dir, val_cache_dir, report)``.
+    """
+    c = resolve_data_config(cfg_data)
+    all_layers = sorted({int(i) for i in list(c["cache"]["layers"]) + list(layers or [])})
+    key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    key_src.update(cache={k: c["cache"][k] for k in ("dtype", "shard_size")}, layers=all_layers,
+                   target=target.identity.to_dict())
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(out_dir or c["cache"]["dir"] or default_feature_root()) / key
+    train_dir, val_dir, report_path = root / "train", root / "val", root / "report.json"
+    if report_path.exists() and all((d / "manifest.json").exists() for d in (train_dir, val_dir)):
+        return train_dir, val_dir, json.loads(report_path.read_text())
+    if not is_main:
+        raise FeatureCacheError(f"feature cache {root} is not complete; the main process builds it")
+    if target.tokenizer is None:
+        raise ValueError("preparing data needs the target's tokenizer (chat template)")
+
+    convs, read_rep = read_sharegpt(c["path"], limit=c["num_conversations"])
+    parts = split_conversations(convs, c["split"]["val"], c["split"]["test"])
+    report: dict[str, Any] = {"key": key, "config": key_src, "read": read_rep.to_dict(),
+                              "split": {k: len(v) for k, v in parts.items()}}
+    regen = c["regenerate"]
+    out: dict[str, Path] = {"train": train_dir, "val": val_dir}
+    for split, cache_dir in out.items():
+        part = parts[split]
+        if not part:
+            raise ValueError(f"the {split} split is empty; use more data (data.num_conversations) "
+                             f"or a larger data.split.{split}")
+        if regen["enabled"]:
+            part = regenerate_conversations(
+                part, target, root / f"regenerated-{split}.jsonl",
+                temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
+                batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"])
+        ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
+        if len(ds) == 0:
+            raise ValueError(f"no {split} conversation has assistant tokens after tokenization")
+        rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in ds]
+        man = build_feature_cache(target, rows, cache_dir, layers=all_layers,
+                                  dtype=c["cache"]["dtype"], batch_size=c["cache"]["batch_size"],
+                                  shard_size=c["cache"]["shard_size"])
+        report[split] = {"tokenize": tok_rep.to_dict(), "sequences": man["sequences"],
+                         "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"]}
+    tmp = report_path.with_name(f"report.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, report_path)
+    return train_dir, val_dir, report

@@ -1,0 +1,146 @@
+"""Self-distillation data: regenerate the assistant turns of conversations with the target.
+
+Each assistant message is replaced by the target's own reply to the conversation so far (user
+turns are kept, earlier assistant turns are the regenerated ones). Results are appended to a jsonl
+file, one finished conversation per line, so a killed run restarts where it stopped: finished ids
+are skipped, a half-written last line is discarded, nothing is lost or duplicated.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from data.sharegpt import Conversation
+
+
+def _load_done(path: Path) -> dict[str, Conversation]:
+    """Finished conversations in a jsonl file; a trailing partial line is cut off the file."""
+    done: dict[str, Conversation] = {}
+    if not path.exists():
+        return done
+    raw = path.read_bytes()
+    good = raw[: raw.rfind(b"\n") + 1]
+    if len(good) != len(raw):
+        with open(path, "r+b") as f:  # a killed writer left half a line
+            f.truncate(len(good))
+    for line in good.decode("utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            done[rec["id"]] = Conversation(id=rec["id"], messages=rec["messages"])
+    return done
+
+
+@torch.no_grad()
+def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature: float,
+              max_new_tokens: int) -> list[str]:
+    """Left-pad and generate a batch; returns the decoded replies (special tokens removed)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        attn[b, T - len(p):] = 1
+    device = next(model.parameters()).device
+    kw: dict[str, Any] = {"do_sample": temperature > 0}
+    if temperature > 0:
+        kw.update(temperature=temperature, top_k=0, top_p=1.0)
+    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                         max_new_tokens=max_new_tokens, pad_token_id=pad,
+                         eos_token_id=tokenizer.eos_token_id, **kw)
+    return [tokenizer.decode(o[T:], skip_special_tokens=True).strip() for o in out.cpu()]
+
+
+def _regenerate_batch(model: Any, tokenizer: Any, convs: Sequence[Conversation],
+                      temperature: float, max_new_tokens: int,
+                      max_prompt_tokens: int) -> list[Conversation]:
+    new: list[list[dict[str, str]]] = [[] for _ in convs]
+    active = [True] * len(convs)
+    for i in range(max(len(c.messages) for c in convs)):
+        todo, prompts = [], []
+        for b, c in enumerate(convs):
+            if not active[b] or i >= len(c.messages):
+                continue
+            msg = c.messages[i]
+            if msg["role"] != "assistant":
+                new[b].append(dict(msg))
+                continue
+            if not any(m["role"] == "user" for m in new[b]):
+                continue  # a leading reply has no prompt to answer: dropped
+            enc = tokenizer.apply_chat_template(new[b], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+            if len(enc["input_ids"]) > max_prompt_tokens:
+                active[b] = False  # too long: keep what is done so far
+                continue
+            todo.append(b)
+            prompts.append(list(enc["input_ids"]))
+        if prompts:
+            for b, reply in zip(todo, _generate(model, tokenizer, prompts, temperature,
+                                                max_new_tokens)):
+                new[b].append({"role": "assistant", "content": reply})
+    return [Conversation(id=c.id, messages=m) for c, m in zip(convs, new)]
+
+
+def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
+                             out_path: str | Path, temperature: float = 0.0,
+                             max_new_tokens: int = 256, batch_size: int = 8,
+                             max_prompt_tokens: int = 1024, seed: int = 0,
+                             progress: bool = True,
+                             on_batch: Callable[[int], None] | None = None
+                             ) -> list[Conversation]:
+    """Replace every assistant turn by the target's own reply, resumably.
+
+    Args:
+        conversations: Input conversations (ids must be unique).
+        target: `LoadedTarget` with ``model`` and ``tokenizer`` (chat template).
+        out_path: Append-only jsonl of finished conversations ``{"id", "messages"}``.
+        temperature: 0 for greedy decoding, else sampling temperature.
+        max_new_tokens: Longest regenerated reply, in tokens.
+        batch_size: Conversations generated together (left-padded).
+        max_prompt_tokens: Stop regenerating a conversation once its prompt is longer.
+        seed: Sampling seed (combined with the batch's first id, so a resumed run is reproducible).
+        progress: Show a tqdm bar.
+        on_batch: Called with the number of finished conversations after each batch.
+
+    Returns:
+        The regenerated conversations, in input order.
+    """
+    if temperature < 0 or max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("need temperature >= 0, max_new_tokens >= 1 and batch_size >= 1; got "
+                         f"{temperature}, {max_new_tokens}, {batch_size}")
+    if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
+        raise ValueError("regeneration needs the target's tokenizer with a chat template")
+    ids = [c.id for c in conversations]
+    if len(set(ids)) != len(ids):
+        raise ValueError("conversation ids must be unique for resumable regeneration")
+    path = Path(out_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = _load_done(path)
+    todo = [c for c in conversations if c.id not in done]
+    model = target.model.eval()
+    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo),
+               desc="regenerate", unit="conv", disable=not progress)
+    with open(path, "a", encoding="utf-8") as f:
+        for s in range(0, len(todo), batch_size):
+            batch = todo[s: s + batch_size]
+            digest = hashlib.sha256(f"{seed}:{batch[0].id}".encode()).digest()
+            torch.manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
+            for c in _regenerate_batch(model, target.tokenizer, batch, temperature,
+                                       max_new_tokens, max_prompt_tokens):
+                f.write(json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False)
+                        + "\n")
+                done[c.id] = c
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+            if on_batch is not None:
+                on_batch(len(done))
+    bar.close()
+    return [done[i] for i in ids]

@@ -1,0 +1,1 @@
+"""draftsmith evaluation: verification, proposers, the speculative decoder, K*, sweeps and reports."""

@@ -1,0 +1,293 @@
+"""Decode a prompt set with a draft package through the speculative decoder.
+
+    python eval/decode.py draft=DIR prompts=humaneval limit=8 max_new_tokens=128 temperature=0 \
+        out=run.json
+
+``draft=`` takes a draft package or a folder written by ``scripts/export.py`` (hf / eagle /
+speculators / medusa layouts); ``draft=none`` decodes plainly, ``draft=lookup`` uses prompt
+lookup. ``k=null`` starts from the K* that ``eval/measure.py`` wrote into the package's
+``speculation.json`` (else 4); the summary's ``k_source`` says which. Plain decoding of the same
+prompts runs in the same process (``baseline=true``) and gives the ``speedup``. The JSON has a
+``summary`` (the :class:`~eval.stats.DecodeStats` fields plus ``speedup``, ``k``, ``k_source``,
+``draft_kind``, ``lossless``, ``device``, ``dtype``) and ``samples`` (one per prompt: ``id``,
+``category``, ``prompt_ids``, ``output_ids``, ``output_text``, ``tau``, ...).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eval.decoder import SpeculativeDecoder
+from eval.proposers import (
+    DraftLMProposer,
+    MedusaProposer,
+    PlainProposer,
+    PromptLookupProposer,
+    Proposer,
+    medusa_choices,
+)
+from eval.proposers_eagle import EagleProposer
+from eval.stats import DecodeStats
+from eval.target_model import Target
+
+CONF_FILE = Path(__file__).resolve().parents[1] / "conf" / "decode.yaml"
+NO_DRAFT = ("none", "null", "")
+TREE_MODES = ("auto", "chain", "tree")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
+
+
+# ----------------------------------------------------------------------------- prompts
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """One user turn through the chat template, with the assistant's generation prompt."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the target's tokenizer has no chat template: prompts are chat turns "
+                         "and need one (save the tokenizer with its chat_template)")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def prompt_records(prompts: str, tokenizer: Any, limit: int | None = None) -> list[dict]:
+    """Prompts as ``{"id", "category", "prompt_ids"}`` dicts (also used by the sweep's peers).
+
+    Args:
+        prompts: ``humaneval`` | ``sharegpt`` | a FastChat ``question.jsonl`` path
+            (see :func:`data.prompts.load_prompts`).
+        tokenizer: the target's tokenizer (chat template included).
+        limit: keep the first ``limit`` prompts.
+    """
+    from data.prompts import load_prompts
+
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer: prompts cannot be encoded")
+    items = load_prompts(str(prompts), limit=None if limit is None else int(limit))
+    return [{"id": p.id, "category": p.category, "prompt_ids": encode_prompt(tokenizer, p.turns[0])}
+            for p in items]
+
+
+# ----------------------------------------------------------------------------- drafts
+def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
+    """A draft package, or an export made by ``scripts/export.py``, as a ``DraftPackage``.
+
+    Args:
+        draft: a package folder (``draftsmith.json``) or an export folder (``manifest.json``
+            with ``export_format``: hf / eagle / speculators / medusa).
+        loaded_target: the ``LoadedTarget`` the draft must have been trained for.
+
+    Raises:
+        ValueError: the folder is neither a package nor an export.
+    """
+    from heads.package import PACKAGE_JSON, load_package
+
+    root = Path(str(draft)).expanduser()
+    if (root / PACKAGE_JSON).is_file():
+        return load_package(root, target=loaded_target)
+    manifest = root / "manifest.json"
+    if manifest.is_file() and "export_format" in json.loads(manifest.read_text()):
+        from scripts.export import import_export
+
+        return import_export(root, target=loaded_target)
+    raise ValueError(f"draft={draft}: not a draft package (no {PACKAGE_JSON}) nor an export (no "
+                     "manifest.json with export_format); pass a folder written by training or by "
+                     "scripts/export.py, or draft=none / draft=lookup")
+
+
+def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
+                   pkg: Any = None) -> tuple[Proposer, str]:
+    """The proposer named by ``cfg.draft`` and its kind (``plain``, ``lookup``, ``lm``, ...).
+
+    Args:
+        cfg: the decode config (``draft``, ``tree``, ``medusa_branching``, ...).
+        loaded_target: the ``LoadedTarget`` (identity checked against the draft).
+        vocab_size: the target's vocabulary size.
+        pkg: an already loaded ``DraftPackage`` (else loaded from ``cfg.draft``).
+    """
+    draft = str(cfg.draft) if cfg.draft is not None else "none"
+    if draft.lower() in NO_DRAFT:
+        return PlainProposer(), "plain"
+    if draft == "lookup":
+        return PromptLookupProposer(), "lookup"
+    pkg = pkg if pkg is not None else load_draft(draft, loaded_target)
+    module = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
+    tree = cfg.tree
+    if pkg.kind == "lm":
+        if tree == "tree":
+            raise ValueError("tree=tree is not available for draft LMs: use tree=chain or auto")
+        return DraftLMProposer(module, vocab_size), "lm"
+    if pkg.kind == "medusa":
+        if tree == "chain":  # one candidate per head: a chain through the tree verifier
+            choices = medusa_choices([1] * int(pkg.head_config.num_heads))
+        else:
+            choices = medusa_choices(list(cfg.medusa_branching))
+        return MedusaProposer(module, vocab_size, choices), "medusa"
+    if pkg.kind == "eagle":
+        use_tree = tree in ("auto", "tree")
+        prop = EagleProposer(module, vocab_size, tree=use_tree, topk=int(cfg.tree_topk),
+                             total_tokens=int(cfg.tree_size))
+        return prop, prop.kind
+    raise ValueError(f"unknown draft kind {pkg.kind!r} in {draft}")
+
+
+def resolve_k(k: Any, speculation: Mapping | None) -> tuple[int, str]:
+    """The draft length to start from and where it came from.
+
+    ``k`` given -> ``(k, "config")``; ``k`` null -> K* of ``speculation.json`` when it has one
+    (``"speculation.json"``), else ``(DEFAULT_K, "default")``.
+    """
+    if k is not None:
+        return int(k), "config"
+    k_star = (speculation or {}).get("k_star")
+    if isinstance(k_star, int) and not isinstance(k_star, bool) and k_star >= 0:
+        return k_star, "speculation.json"
+    return DEFAULT_K, "default"
+
+
+def _validate(cfg: DictConfig) -> None:
+    if cfg.tree not in TREE_MODES:
+        raise ValueError(f"tree={cfg.tree!r}: allowed {TREE_MODES}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype={cfg.dtype!r}: allowed {DTYPES}")
+    if int(cfg.max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.limit is not None and int(cfg.limit) < 1:
+        raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
+    if cfg.k is not None and int(cfg.k) < 0:
+        raise ValueError(f"k must be >= 0 or null (K* from speculation.json), got {cfg.k}")
+
+
+def decode_set(dec: SpeculativeDecoder, records: Sequence[dict], cfg: DictConfig,
+               eos: Any) -> tuple[list[dict], DecodeStats]:
+    """Decode every record (seed ``cfg.seed + index``); per-sample dicts and merged stats."""
+    samples, parts = [], []
+    for i, rec in enumerate(records):
+        res = dec.generate(rec["prompt_ids"], int(cfg.max_new_tokens), float(cfg.temperature),
+                           int(cfg.top_k), float(cfg.top_p), eos_token_id=eos,
+                           time_budget_s=cfg.time_budget_s, seed=int(cfg.seed) + i)
+        parts.append(res.stats)
+        samples.append({**rec, "output_ids": res.output_ids, "tau": res.stats.tau,
+                        "target_forwards": res.stats.target_forwards,
+                        "wall_time_s": res.stats.wall_time_s})
+    return samples, DecodeStats.merge(parts)
+
+
+def run(cfg: DictConfig, loaded: Any = None) -> dict:
+    """Decode the prompt set; returns the JSON dict (also written to ``cfg.out``).
+
+    Args:
+        cfg: the decode config (``conf/decode.yaml`` keys).
+        loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
+    """
+    from data.target import load_target
+
+    _validate(cfg)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    dtype = getattr(torch, cfg.dtype)
+    if loaded is None:
+        loaded = load_target(cfg.target_path or cfg.target or None, dtype=dtype)
+    model = loaded.model.to(cfg.device).eval()
+    tok = loaded.tokenizer
+    records = prompt_records(cfg.prompts, tok, cfg.limit)
+    if not records:
+        raise ValueError(f"no prompts loaded from prompts={cfg.prompts!r} (limit={cfg.limit})")
+    draft = str(cfg.draft) if cfg.draft is not None else "none"
+    pkg = None
+    if draft.lower() not in NO_DRAFT and draft != "lookup":
+        pkg = load_draft(draft, loaded)
+    proposer, kind = build_proposer(cfg, loaded, int(model.config.vocab_size), pkg)
+    target = Target(model, proposer.layer_ids)
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    k, k_source = resolve_k(cfg.k, pkg.speculation if pkg is not None else None)
+    if kind == "plain":
+        k, k_source = 0, "plain"
+    dec = SpeculativeDecoder(target, proposer, k=k, k_max=cfg.k_max, adaptive=bool(cfg.adaptive_k),
+                             fallback=bool(cfg.fallback), acceptance=cfg.acceptance)
+    dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up (allocations, kernels)
+    samples, stats = decode_set(dec, records, cfg, eos)
+    base_tps = stats.tokens_per_s if kind == "plain" else None
+    matches = None
+    if cfg.baseline and kind != "plain":
+        plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
+        base_samples, base = decode_set(plain, records, cfg, eos)
+        base_tps = base.tokens_per_s
+        if float(cfg.temperature) == 0.0:  # greedy: lossless means token-identical to plain
+            same = [a["output_ids"] == b["output_ids"] for a, b in zip(samples, base_samples)]
+            matches = sum(same) / len(same)
+    for s in samples:
+        s["output_text"] = tok.decode(s["output_ids"], skip_special_tokens=True)
+    summary = {**stats.to_dict(),
+               "speedup": stats.tokens_per_s / base_tps if base_tps else None,
+               "baseline_tokens_per_s": base_tps, "matches_baseline": matches,
+               "k": k, "k_source": k_source,
+               "draft_kind": kind,
+               "draft": None if kind == "plain" else str(cfg.draft), "lossless": dec.lossless,
+               "device": str(target.device), "dtype": cfg.dtype,
+               "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),
+               "top_p": float(cfg.top_p), "prompts": str(cfg.prompts), "limit": cfg.limit,
+               "max_new_tokens": int(cfg.max_new_tokens), "n_samples": len(samples)}
+    result = {"summary": summary, "samples": samples}
+    if cfg.out:
+        out = Path(str(cfg.out)).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_summary(summary: Mapping[str, Any]) -> None:
+    """A short rich table of the headline numbers."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"draft={summary.get('draft') or 'none'} ({summary['draft_kind']})")
+    for col in ("k (source)", "tokens", "tau", "accept", "tok/s", "speedup", "lossless"):
+        table.add_column(col, justify="right")
+    sp = summary.get("speedup")
+    table.add_row(f"{summary['k']} ({summary.get('k_source', '-')})", str(summary["tokens_generated"]), f"{summary['tau']:.2f}",
+                  f"{summary['acceptance_rate']:.2f}", f"{summary['tokens_per_s']:.1f}",
+                  "-" if sp is None else f"{sp:.2f}x", str(summary["lossless"]))
+    Console().print(table)
+
+
+def _register_config() -> str:
+    """Register conf/decode.yaml alone: conf/ also holds the training groups (conf/draft/...),
+    which would turn ``draft=DIR`` into a group override."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="draftsmith_decode", node=OmegaConf.load(CONF_FILE))
+    return "draftsmith_decode"
+
+
+def run_overrides(overrides: list[str]) -> dict:
+    """Run with Hydra override strings in-process (used by sweeps)."""
+    from hydra import compose, initialize
+
+    name = _register_config()
+    with initialize(config_path=None, version_base="1.3"):
+        cfg = compose(config_name=name, overrides=list(overrides))
+    return run(cfg)
+
+
+def _main(cfg: DictConfig) -> None:
+    result = run(cfg)
+    print_summary(result["summary"])
+
+
+def main() -> None:
+    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()
+
+
+if __name__ == "__main__":
+    main()

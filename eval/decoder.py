@@ -1,0 +1,224 @@
+"""The speculative decoding loop: one loop for every proposer, plain decoding included.
+
+Each step: (1) the proposer drafts a chain or tree after the committed tokens; (2) the target
+scores the pending token and all drafts in one forward and :mod:`eval.verify` accepts a prefix
+(chain) or root path (tree) losslessly and draws the next token; (3) accepted tokens are
+committed under the stop rules; (4) the target's and the proposer's caches drop the rejected
+drafts; (5) the K controller adapts the draft length or falls back to plain decoding.
+
+Stop rules match the target's own ``generate``: EOS is emitted and nothing after it; a stop
+sequence is emitted in full and nothing after it; never more than ``max_new_tokens``; a time
+budget ends the request after the step during which it ran out.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eval.proposers import DecodeContext, Proposal, Proposer, Sampling
+from eval.stats import DecodeStats, KController
+from eval.target_model import Target, TargetOutput
+from eval.verify import verify_chain, verify_tree, verify_tree_typical
+
+ACCEPTANCE_MODES = ("lossless", "typical")
+
+
+@dataclass
+class DecodeResult:
+    """``output_ids``: the new tokens only; ``stats``: see :class:`DecodeStats`."""
+
+    output_ids: list[int]
+    stats: DecodeStats
+
+
+class _Stopper:
+    """Applies EOS / stop sequences / max_new_tokens while tokens are committed one by one."""
+
+    def __init__(self, eos: Sequence[int], stops: Sequence[Sequence[int]], max_new: int) -> None:
+        self.eos = {int(e) for e in eos}
+        self.stops = [list(s) for s in stops if len(s) > 0]
+        self.max_new = max_new
+        self.reason = ""
+
+    def push(self, generated: list[int], token: int) -> bool:
+        """Append ``token``; return True when generation must end after it."""
+        generated.append(token)
+        if token in self.eos:
+            self.reason = "eos"
+        elif any(generated[-len(s):] == s for s in self.stops if len(generated) >= len(s)):
+            self.reason = "stop_sequence"
+        elif len(generated) >= self.max_new:
+            self.reason = "max_new_tokens"
+        return bool(self.reason)
+
+
+class SpeculativeDecoder:
+    """Speculative decoding with any :class:`~eval.proposers.Proposer` (batch size one).
+
+    Args:
+        target: a :class:`~eval.target_model.Target` or a HF causal LM (wrapped, with the layers
+            the proposer needs).
+        proposer: the draft; :class:`~eval.proposers.PlainProposer` gives plain decoding.
+        k: initial draft length (chains) or tree depth.
+        k_max: largest adaptive K (default ``2 * k``).
+        adaptive: adapt K from recent acceptance and measured costs (chains only).
+        fallback: fall back to plain decoding while speculation is measured to be a loss.
+        acceptance: ``"lossless"`` (rejection sampling) or ``"typical"`` (Medusa's typical
+            acceptance for trees; lossy).
+        posterior_threshold: typical acceptance threshold.
+        posterior_alpha: typical acceptance entropy factor.
+        window: steps remembered by the K controller.
+        probe_every: plain steps between probes after a fallback.
+    """
+
+    def __init__(self, target: Target | nn.Module, proposer: Proposer, k: int = 4,
+                 k_max: int | None = None, adaptive: bool = True, fallback: bool = True,
+                 acceptance: str = "lossless", posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3, window: int = 8, probe_every: int = 32) -> None:
+        if acceptance not in ACCEPTANCE_MODES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}")
+        if k < 0:
+            raise ValueError(f"k must be >= 0 (0 = plain decoding), got {k}")
+        self.target = target if isinstance(target, Target) else Target(target, proposer.layer_ids)
+        missing = set(proposer.layer_ids) - set(self.target.layer_ids)
+        if missing:
+            raise ValueError(f"the proposer needs target layers {sorted(missing)}: build the "
+                             f"Target with layer_ids={list(proposer.layer_ids)}")
+        self.proposer = proposer
+        self.k, self.k_max = k, k_max
+        self.adaptive, self.fallback = adaptive, fallback
+        self.window, self.probe_every = window, probe_every
+        self.acceptance = acceptance
+        self.posterior = (posterior_threshold, posterior_alpha)
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "lossless" and self.proposer.lossless
+
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 stop_sequences: Sequence[Sequence[int]] = (), time_budget_s: float | None = None,
+                 generator: torch.Generator | None = None, seed: int | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+        Args:
+            prompt_ids: ``(T,)`` prompt token ids.
+            max_new_tokens: token budget (>= 1).
+            temperature: 0 = greedy; otherwise sampling from the warped target distribution.
+            top_k: top-k warping (0 disables).
+            top_p: nucleus warping (1.0 disables).
+            eos_token_id: id or ids that end generation (emitted, nothing after them).
+            stop_sequences: token-id sequences that end generation (emitted in full).
+            time_budget_s: wall-clock budget for this request; ends after the current step.
+            generator: random generator (else one seeded with ``seed``, else a fresh one).
+            seed: seed for a new generator when ``generator`` is None.
+
+        Returns:
+            :class:`DecodeResult` with the new tokens and statistics.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if generator is None:
+            generator = torch.Generator()
+            if seed is not None:
+                generator.manual_seed(seed)
+        sampling = Sampling(temperature, top_k, top_p)
+        sampling.warp(torch.zeros(2))  # validates the settings before any work
+        prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int)
+                                               else list(eos_token_id))
+        stopper = _Stopper(eos, stop_sequences, max_new_tokens)
+        stats = DecodeStats()
+        ctrl = KController(self.k, self.k_max, self.adaptive, self.fallback, window=self.window,
+                           probe_every=self.probe_every)
+        t_start = time.perf_counter()
+        generated: list[int] = []
+
+        out = self.target.prefill(torch.tensor(prompt))
+        first = sampling.draw(sampling.warp(out.logits[-1]), generator)
+        stats.verify_time_s += time.perf_counter() - t_start
+        done = stopper.push(generated, first)
+        if not done:
+            t0 = time.perf_counter()
+            self.proposer.reset(prompt + [first], out)
+            stats.draft_time_s += time.perf_counter() - t0
+        ctx = DecodeContext(prompt + generated, sampling, generator)
+        while not done:
+            remaining = max_new_tokens - len(generated)
+            k = min(ctrl.next_k(), remaining - 1)
+            # 1. propose
+            t0 = time.perf_counter()
+            proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
+            t1 = time.perf_counter()
+            # 2. verify
+            n_prefix = self.target.seq_len
+            path, nxt, rows, rows_out = self._verify(proposal, ctx.tokens[-1], sampling, generator)
+            # 3. accept: commit the accepted drafts and the next token under the stop rules
+            new_tokens = [int(proposal.tokens[j]) for j in path] + [nxt]
+            for tok in new_tokens:
+                done = stopper.push(generated, tok)
+                if done:
+                    break
+            ctx.tokens = prompt + generated
+            # 4. roll back caches to the committed sequence
+            if proposal.is_chain:
+                self.target.crop(n_prefix + 1 + len(path))
+            else:
+                self.target.keep_path(n_prefix, rows)
+            t3 = time.perf_counter()
+            if not done:
+                self.proposer.accept(path, new_tokens, rows_out)
+            t4 = time.perf_counter()
+            depth = int(proposal.depth().max()) if len(proposal) else 0
+            stats.record_step(depth, len(path))
+            stats.draft_time_s += (t1 - t0) + (t4 - t3)
+            stats.verify_time_s += t3 - t1
+            # 5. adapt K (or fall back to plain decoding)
+            if depth:
+                ctrl.tree = not proposal.is_chain
+                ctrl.record(depth, len(proposal), len(path), len(new_tokens),
+                            (t1 - t0) + (t4 - t3), t3 - t1)
+            else:
+                ctrl.record_plain(t4 - t0)
+            if not done and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+                stopper.reason, done = "time_budget", True
+        stats.wall_time_s = time.perf_counter() - t_start
+        stats.tokens_generated = len(generated)
+        stats.target_forwards = self.target.forwards
+        stats.stop_reason = stopper.reason
+        return DecodeResult(generated, stats.finalize())
+
+    def _verify(self, proposal: Proposal, pending: int, sampling: Sampling,
+                generator: torch.Generator) -> tuple[list[int], int, list[int], TargetOutput]:
+        """Run the target over the pending token and the drafts, then accept.
+
+        Returns:
+            ``(path, next_token, rows, rows_out)``: accepted node indices, the next token, the
+            target output rows of the committed tokens (pending + accepted) and their output.
+        """
+        fed = torch.cat([torch.tensor([pending]), proposal.tokens])  # (N+1,)
+        if proposal.is_chain:
+            out = self.target.extend(fed)
+        else:
+            out = self.target.forward_tree(fed, torch.cat([torch.tensor([-1]), proposal.parents + 1]))
+        p = sampling.warp(out.logits)  # (N+1, V)
+        if proposal.is_chain:
+            q = proposal.q
+            if q is None:  # deterministic drafts are point masses
+                q = torch.nn.functional.one_hot(proposal.tokens, p.shape[-1]).float()
+            n, nxt = verify_chain(p, q.to(p.device), proposal.tokens.to(p.device), generator)
+            path = list(range(n))
+        elif self.acceptance == "typical":
+            res = verify_tree_typical(p, proposal.tokens, proposal.parents, *self.posterior,
+                                      generator=generator)
+            path, nxt = res.path, res.next_token
+        else:
+            q = None if proposal.q is None else proposal.q.to(p.device)
+            path, nxt = verify_tree(p, q, proposal.tokens, proposal.parents, generator)
+        rows = [0] + [j + 1 for j in path]
+        return path, nxt, rows, out.select(rows)

@@ -1,0 +1,216 @@
+"""K*: the draft length that maximises measured speedup, and the ``speculation.json`` record.
+
+With conditional acceptance ``alpha_i`` per draft position, ``E_K = 1 + sum_{i<=K} prod_{j<=i}
+alpha_j`` tokens come out of a step that drafts ``K`` tokens; the step costs ``K * t_draft +
+t_verify(K)`` against ``E_K`` plain steps of ``t_AR`` each, so
+
+    K* = argmax_K  E_K * t_AR / (K * t_draft + t_verify(K)).
+
+Costs are medians of repeated timings on the machine at hand; alphas come from a decoder run at a
+fixed ``K`` without adaptation or fallback. The record names the hardware, dtype, versions and
+date; ``eval/measure.py`` is its command line.
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from eval.decoder import SpeculativeDecoder
+from eval.proposers import DecodeContext, Proposer, Sampling
+from eval.stats import DecodeStats
+from eval.target_model import Target
+
+
+def expected_tokens_per_step(alpha: Sequence[float], k: int) -> float:
+    """``E_K = 1 + sum_{i<=K} prod_{j<=i} alpha_j`` (needs ``len(alpha) >= k``)."""
+    if k > len(alpha):
+        raise ValueError(f"need alpha for {k} positions, have {len(alpha)}")
+    total, prod = 1.0, 1.0
+    for a in alpha[:k]:
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha values must lie in [0, 1], got {a}")
+        prod *= a
+        total += prod
+    return total
+
+
+def choose_kstar(alpha: Sequence[float], t_draft: float, t_verify: Mapping[int, float],
+                 t_ar: float) -> tuple[int, dict[int, float]]:
+    """Pick K* from per-position alphas and measured costs.
+
+    Args:
+        alpha: conditional acceptance per position (``alpha[i-1]`` for position ``i``).
+        t_draft: seconds per drafted token.
+        t_verify: seconds of one target forward verifying ``K`` drafts (``K + 1`` tokens), per K.
+        t_ar: seconds of one plain decoding step.
+
+    Returns:
+        ``(k_star, speedup)`` with the expected speedup for every K in ``t_verify`` that has an
+        alpha (``K = 0`` is plain decoding, speedup ``t_ar / t_verify[0]``).
+    """
+    if t_ar <= 0 or t_draft < 0:
+        raise ValueError(f"costs must be positive, got t_ar={t_ar}, t_draft={t_draft}")
+    speedup = {}
+    for k in sorted(t_verify):
+        if k <= len(alpha):
+            cost = k * t_draft + t_verify[k]
+            speedup[k] = expected_tokens_per_step(alpha, k) * t_ar / cost
+    if not speedup:
+        raise ValueError("no K has both a verify cost and an alpha")
+    k_star = max(speedup, key=lambda k: (speedup[k], -k))
+    return k_star, speedup
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls (CUDA work is synchronised)."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync(device)
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _tree_parents(n: int, branching: int) -> torch.Tensor:
+    """``(n,)`` parents of a full ``branching``-ary tree in breadth-first order (root's = -1)."""
+    return torch.tensor([-1] + [(j - 1) // branching for j in range(1, n)], dtype=torch.long)
+
+
+@torch.inference_mode()
+def measure_costs(target: Target, proposer: Proposer, prompt_ids: Sequence[int], ks: Sequence[int],
+                  repeats: int = 7, tree_nodes: Sequence[int] = (),
+                  tree_branching: int = 4) -> dict[str, Any]:
+    """Median costs on this machine with a context of ``prompt_ids``.
+
+    Measures a plain step (target forward of 1 token with the cache), a target forward over
+    ``K + 1`` tokens for each K (the pending token and K drafts), the proposer's time per drafted
+    token (drafting ``max(ks)`` tokens, greedy) and, for each ``n`` in ``tree_nodes``, a target
+    forward over a tree of ``n`` draft nodes plus the pending token (tree attention mask).
+
+    Returns:
+        ``{"t_ar": s, "t_draft": s, "t_verify": {K: s}, "t_verify_tree": {n: s}}``.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    out = target.prefill(torch.tensor(prompt))
+    n = target.seq_len
+    first = int(out.logits[-1].argmax())
+    dev = target.device
+
+    def forward(k: int) -> None:
+        target.extend(torch.tensor([first] * (k + 1)))
+        target.crop(n)
+
+    def forward_tree(nodes: int) -> None:
+        target.forward_tree(torch.full((nodes + 1,), first), _tree_parents(nodes + 1, tree_branching))
+        target.crop(n)
+
+    forward(max(ks))  # warm-up
+    t_verify = {k: _median_time(lambda k=k: forward(k), repeats, dev) for k in sorted(set(ks) | {0})}
+    t_tree = {m: _median_time(lambda m=m: forward_tree(m), repeats, dev) for m in sorted(set(tree_nodes))}
+    k_max = max(max(ks), 1)
+    ctx = DecodeContext(prompt + [first], Sampling(0.0))
+    proposer.reset(list(ctx.tokens), out)
+    row = out.select([out.logits.shape[0] - 1])  # stands in for the pending token's row
+
+    def draft() -> None:
+        # steady state: draft k_max, then reject everything and commit one token
+        proposer.propose(ctx, k_max)
+        proposer.accept([], [first], row)
+        ctx.tokens.append(first)
+
+    draft()  # warm-up, includes the proposer's own prefill
+    t_draft = _median_time(draft, repeats, dev) / k_max
+    return {"t_ar": t_verify[0], "t_draft": t_draft, "t_verify": t_verify, "t_verify_tree": t_tree}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Hardware, software versions and date for the record."""
+    import datetime
+    import os
+
+    import transformers
+
+    hw: dict[str, Any] = {"cpu": _cpu_model(), "machine": platform.machine(),
+                          "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        hw["gpu"] = torch.cuda.get_device_name(dev)
+    hw["device"] = str(dev) if dev is not None else "cpu"
+    return {"hardware": hw,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Sequence[int]],
+                        k_max: int = 8, max_new_tokens: int = 64, temperature: float = 0.0,
+                        repeats: int = 7, seed: int = 0,
+                        tree_nodes: Sequence[int] = ()) -> dict[str, Any]:
+    """Measure alpha_i (decoder at fixed ``k_max``) and costs, choose K*; the ``speculation.json`` dict.
+
+    Args:
+        target: the target wrapper (with the layers the proposer needs).
+        proposer: the draft as a chain proposer (per-position alpha needs one draft per position).
+        prompts: prompt token id lists.
+        k_max: draft length of the measuring run and the largest K considered.
+        max_new_tokens: tokens per prompt in the measuring run.
+        temperature: sampling temperature of the measuring run.
+        repeats: timing repetitions (medians are reported).
+        seed: random seed.
+        tree_nodes: tree sizes whose verify forward is also timed (``costs.t_verify_tree``).
+
+    Returns:
+        ``{"k_star", "alpha", "alpha_cumulative", "expected_speedup": {K: x}, "costs": {"t_ar",
+        "t_draft", "t_verify": {K: s}, "t_verify_tree": {n: s}, ...}, "measured": {...},
+        "proposer", "dtype", "hardware", "versions", "date"}`` (JSON-ready: keys are strings).
+    """
+    if not prompts:
+        raise ValueError("measure_speculation needs at least one prompt")
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1 to observe any acceptance, got {k_max}")
+    dec = SpeculativeDecoder(target, proposer, k=k_max, adaptive=False, fallback=False)
+    gen = torch.Generator().manual_seed(seed)
+    runs = [dec.generate(p, max_new_tokens, temperature=temperature, generator=gen).stats
+            for p in prompts]
+    stats = DecodeStats.merge(runs)
+    alpha = list(stats.alpha)
+    if len(alpha) < k_max:
+        raise ValueError(f"the measuring run reached only {len(alpha)} of {k_max} draft positions "
+                         f"(the draft proposes at most {len(alpha)} tokens); use k_max <= "
+                         f"{max(len(alpha), 1)}")
+    costs = measure_costs(target, proposer, prompts[0], range(k_max + 1), repeats, tree_nodes)
+    k_star, speedup = choose_kstar(alpha, costs["t_draft"], costs["t_verify"], costs["t_ar"])
+    dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    return {"k_star": k_star, "expected_speedup": {str(k): v for k, v in speedup.items()},
+            "alpha": alpha, "alpha_cumulative": stats.alpha_cumulative,
+            "measured": {"k": k_max, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
+                         "reached": stats.reached, "tokens": stats.tokens_generated,
+                         "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                         "temperature": temperature},
+            "costs": {"t_ar": costs["t_ar"], "t_draft": costs["t_draft"],
+                      "t_verify": {str(k): v for k, v in costs["t_verify"].items()},
+                      "t_verify_tree": {str(k): v for k, v in costs["t_verify_tree"].items()},
+                      "unit": "seconds", "statistic": f"median of {repeats}",
+                      "context_tokens": len(prompts[0])},
+            "proposer": proposer.kind, "dtype": dtype, **environment(target.device)}

@@ -1,0 +1,186 @@
+"""Measure a draft package on this machine, choose K* and write ``speculation.json`` into it.
+
+    python eval/measure.py draft=DIR prompts=sharegpt limit=8 max_new_tokens=64 temperature=0
+
+Steps: (1) decode the prompts at a long fixed draft length ``k_measure`` (no adaptation, no
+fallback) so that the conditional acceptance ``alpha_i`` of every position is observed; (2) time
+on this machine, as medians, one plain decode step ``t_ar``, the draft's cost per drafted token
+``t_draft`` and the target forward over ``K + 1`` tokens ``t_verify(K)`` (and over the tree the
+draft family decodes with: the EAGLE dynamic tree's ``tree_size`` nodes, or the Medusa tree);
+(3) choose K* with :func:`eval.kstar.choose_kstar`; (4) decode the prompts again at K* and plainly,
+in this run, for the measured speedup; (5) write the record with
+:func:`heads.package.update_package_json` (the manifest stays valid). ``eval/decode.py`` with
+``k=null`` then starts from this K*.
+
+Chains are measured for every family (Medusa: the top-1 candidate of each head), since
+per-position acceptance needs exactly one draft per position.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eval.decode import CONF_FILE, build_proposer, decode_set, prompt_records
+from eval.decoder import SpeculativeDecoder
+from eval.kstar import measure_speculation
+from eval.proposers import PlainProposer, medusa_choices
+from eval.target_model import Target
+
+# Keys added to conf/decode.yaml's for this command (one-line reason each).
+MEASURE_DEFAULTS = {
+    "prompts": "sharegpt",   # prompt set of the measuring run
+    "k": None,               # unused here (K* is the output)
+    "k_measure": 8,          # fixed draft length of the alpha run and the largest K considered
+    "repeats": 7,            # timing repetitions per cost (medians are written)
+    "rerun": True,           # decode again at K* and plainly to record the measured speedup
+    "write": True,           # write speculation.json into the package (false = print only)
+}
+CONFIG_NAME = "draftsmith_measure"
+
+
+def _validate(cfg: DictConfig) -> None:
+    if cfg.draft is None or str(cfg.draft).lower() in ("none", "null", "", "lookup"):
+        raise ValueError("measure.py needs draft=DIR of a draft package (K* is a property of a "
+                         "trained draft)")
+    if not (Path(str(cfg.draft)) / "draftsmith.json").is_file():
+        raise ValueError(f"draft={cfg.draft} is not a draft package (no draftsmith.json); K* is "
+                         "written into packages, so measure the package an export came from")
+    if int(cfg.k_measure) < 1:
+        raise ValueError(f"k_measure must be >= 1, got {cfg.k_measure}")
+    if int(cfg.repeats) < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={cfg.dtype!r}: allowed float32, bfloat16, float16")
+
+
+def _tree_nodes(kind: str, cfg: DictConfig, head_config: Any) -> list[int]:
+    """Tree sizes the family decodes with (their verify forward is timed too)."""
+    if kind == "eagle":
+        return [int(cfg.tree_size)]
+    if kind == "medusa":
+        return [len(medusa_choices(list(cfg.medusa_branching)))]
+    return []
+
+
+def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], cfg: DictConfig,
+                   k_star: int, eos: Any) -> dict[str, Any]:
+    """Decode at fixed K* and plainly on the same prompts; the measured speedup record."""
+    if k_star == 0:
+        return {"k": 0, "speedup": None,
+                "note": "K* = 0: plain decoding is fastest with this draft on this machine"}
+    dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k_star,
+                             adaptive=False, fallback=False)
+    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
+    dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+    _, spec = decode_set(dec, records, cfg, eos)
+    _, base = decode_set(plain, records, cfg, eos)
+    return {"k": k_star, "tokens_per_s": spec.tokens_per_s,
+            "baseline_tokens_per_s": base.tokens_per_s,
+            "speedup": spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
+            "tau": spec.tau, "acceptance_rate": spec.acceptance_rate,
+            "tokens": spec.tokens_generated, "prompts": len(records),
+            "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
+
+
+def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
+    """Measure ``cfg.draft`` and (``write=true``) store the record as its ``speculation.json``.
+
+    Args:
+        cfg: ``conf/decode.yaml`` keys plus :data:`MEASURE_DEFAULTS`.
+        loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
+
+    Returns:
+        The ``speculation.json`` dict (see :func:`eval.kstar.measure_speculation`) with
+        ``measured_speedup``, ``draft_kind``, ``prompts`` and ``command`` added.
+    """
+    from data.target import load_target
+    from heads.package import load_package, update_package_json
+
+    _validate(cfg)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    dtype = getattr(torch, cfg.dtype)
+    if loaded is None:
+        loaded = load_target(cfg.target_path or cfg.target or None, dtype=dtype)
+    model = loaded.model.to(device=cfg.device, dtype=dtype).eval()
+    records = prompt_records(cfg.prompts, loaded.tokenizer, cfg.limit)
+    if not records:
+        raise ValueError(f"no prompts loaded from prompts={cfg.prompts!r} (limit={cfg.limit})")
+    pkg = load_package(cfg.draft, target=loaded)
+    chain_cfg = OmegaConf.merge(cfg, {"tree": "chain"})
+    proposer, _ = build_proposer(chain_cfg, loaded, int(model.config.vocab_size), pkg)
+    k_max = int(cfg.k_measure)
+    if pkg.kind == "medusa":  # one position per head
+        k_max = min(k_max, int(pkg.head_config.num_heads))
+    target = Target(model, proposer.layer_ids)
+    rec = measure_speculation(target, proposer, [r["prompt_ids"] for r in records], k_max=k_max,
+                              max_new_tokens=int(cfg.max_new_tokens),
+                              temperature=float(cfg.temperature), repeats=int(cfg.repeats),
+                              seed=int(cfg.seed), tree_nodes=_tree_nodes(pkg.kind, cfg, pkg.head_config))
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    if cfg.rerun:
+        rec["measured_speedup"] = rerun_at_kstar(model, proposer, records, cfg, rec["k_star"], eos)
+    rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
+               command="python eval/measure.py " + " ".join(sys.argv[1:]))
+    if cfg.write:
+        update_package_json(pkg.path, "speculation.json", rec)
+    return rec
+
+
+def print_record(rec: dict[str, Any]) -> None:
+    """K*, the expected speedup per K and the measured one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"K* = {rec['k_star']} ({rec['draft_kind']}, {rec['hardware']['device']}, "
+                        f"{rec['dtype']})")
+    for col in ("K", "alpha_K", "t_verify(K) ms", "expected speedup"):
+        table.add_column(col, justify="right")
+    for k, sp in rec["expected_speedup"].items():
+        a = rec["alpha"][int(k) - 1] if int(k) > 0 else None
+        table.add_row(k, "-" if a is None else f"{a:.2f}",
+                      f"{rec['costs']['t_verify'][k] * 1e3:.1f}", f"{sp:.2f}x")
+    console = Console()
+    console.print(table)
+    m = rec.get("measured_speedup") or {}
+    if m.get("speedup") is not None:
+        console.print(f"measured at K*={m['k']}: {m['speedup']:.2f}x "
+                      f"({m['tokens_per_s']:.1f} vs {m['baseline_tokens_per_s']:.1f} tokens/s)")
+
+
+def _register_config() -> str:
+    from hydra.core.config_store import ConfigStore
+
+    node = OmegaConf.merge(OmegaConf.load(CONF_FILE), MEASURE_DEFAULTS)
+    ConfigStore.instance().store(name=CONFIG_NAME, node=node)
+    return CONFIG_NAME
+
+
+def run_overrides(overrides: list[str], loaded: Any = None) -> dict[str, Any]:
+    """Run with Hydra override strings in-process (tests, benchmarks)."""
+    from hydra import compose, initialize
+
+    name = _register_config()
+    with initialize(config_path=None, version_base="1.3"):
+        cfg = compose(config_name=name, overrides=list(overrides))
+    return run(cfg, loaded)
+
+
+def _main(cfg: DictConfig) -> None:
+    print_record(run(cfg))
+
+
+def main() -> None:
+    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()
+
+
+if __name__ == "__main__":
+    main()

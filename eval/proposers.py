@@ -1,0 +1,292 @@
+"""One proposer interface for every draft family.
+
+A proposer drafts tokens after the committed sequence; the decoder verifies them against the
+target. The protocol (all token ids are *target* vocabulary ids):
+
+1. ``reset(tokens, target_out)`` once per request, after the target's prefill: ``tokens`` is the
+   prompt plus the first generated token, ``target_out`` the prefill output (one row per prompt
+   token, i.e. per ``tokens[:-1]``).
+2. ``propose(ctx, k) -> Proposal``: draft up to ``k`` tokens deep after ``ctx.tokens`` (whose last
+   token is the *pending* one: sampled but not yet fed to the target).
+3. ``accept(path, new_tokens, target_out)``: ``path`` lists the accepted proposal node indices,
+   ``new_tokens`` the committed tokens (the accepted drafts plus the next token) and ``target_out``
+   the target's rows for the previous pending token and the accepted drafts
+   (``len(new_tokens)`` rows; row ``i`` predicted ``new_tokens[i]``). The proposer rolls its own
+   state (KV cache, features) back to the committed sequence.
+
+This file holds the interface and the families that need no target features (plain, prompt
+lookup, draft LM) plus Medusa; EAGLE lives in :mod:`eval.proposers_eagle`.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eval.target_model import TargetOutput, cache_kwarg
+from eval.verify import warp
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings shared by target and draft (``temperature == 0`` is greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from ``probs (V,)``: argmax when greedy, else a sample."""
+        if self.temperature == 0:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class DecodeContext:
+    """What a proposer may look at: the committed sequence and the sampling settings."""
+
+    tokens: list[int]
+    sampling: Sampling = field(default_factory=Sampling)
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens as a tree (a chain is the tree with ``parents = [-1, 0, 1, ...]``).
+
+    Attributes:
+        tokens: ``(N,)`` long, target ids, topologically ordered.
+        parents: ``(N,)`` long, parent node index or ``-1`` for children of the pending token.
+        q: ``(N, V)`` the distribution each node was drawn from, or ``None`` when every node is a
+            deterministic choice (point mass on its token).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+
+    @staticmethod
+    def chain(tokens: Sequence[int], q: torch.Tensor | None = None) -> Proposal:
+        n = len(tokens)
+        return Proposal(torch.tensor(list(tokens), dtype=torch.long),
+                        torch.arange(-1, n - 1, dtype=torch.long), q)
+
+    @staticmethod
+    def empty() -> Proposal:
+        return Proposal.chain([])
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def is_chain(self) -> bool:
+        n = len(self)
+        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
+
+    def depth(self) -> torch.Tensor:
+        """``(N,)`` depth of each node (1 for children of the pending token)."""
+        d = torch.zeros(len(self), dtype=torch.long)
+        for j, par in enumerate(self.parents.tolist()):
+            d[j] = 1 if par < 0 else d[par] + 1
+        return d
+
+
+class Proposer:
+    """Base class: the plain decoder (never drafts). Subclasses override the three calls.
+
+    Class attributes:
+        kind: short name used in reports.
+        lossless: whether the decoder's output distribution equals the target's with this proposer.
+        layer_ids: target hidden-state layers the proposer needs (besides the final-norm output).
+    """
+
+    kind = "plain"
+    lossless = True
+    layer_ids: tuple[int, ...] = ()
+
+    def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
+        """Start a request (see module docstring)."""
+
+    def propose(self, ctx: DecodeContext, k: int) -> Proposal:
+        """Draft up to ``k`` tokens deep after ``ctx.tokens``."""
+        return Proposal.empty()
+
+    def accept(self, path: list[int], new_tokens: list[int],
+               target_out: TargetOutput) -> None:
+        """Roll the proposer's state forward to the committed sequence."""
+
+
+class PlainProposer(Proposer):
+    """K = 0: plain autoregressive decoding through the same loop."""
+
+
+class PromptLookupProposer(Proposer):
+    """Drafts by n-gram matching in the context: find the latest earlier occurrence of the last
+    ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) and propose what followed it.
+    Candidates are deterministic, so their ``q`` is a point mass (lossless at any temperature)."""
+
+    kind = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, ctx: DecodeContext, k: int) -> Proposal:
+        seq = ctx.tokens
+        n_seq = len(seq)
+        for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
+            pattern = seq[-n:]
+            for start in range(n_seq - n - 1, -1, -1):  # latest match first, not the suffix itself
+                if seq[start:start + n] == pattern:
+                    follow = seq[start + n:start + n + k]
+                    if follow:
+                        return Proposal.chain(follow)
+        return Proposal.empty()
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Cut or ``-inf``-pad the last dim of ``logits`` to the target's vocabulary size."""
+    v = logits.shape[-1]
+    if v == vocab_size:
+        return logits
+    if v > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+class DraftLMProposer(Proposer):
+    """A small causal LM drafting a chain with its own KV cache.
+
+    The draft's cache holds a prefix of the committed sequence; ``propose`` feeds whatever is
+    missing (the prompt on the first call, then the last accepted draft and the new pending token),
+    samples ``k`` tokens from the warped draft distribution, and ``accept`` crops the cache back to
+    the committed prefix.
+
+    Args:
+        model: a causal LM sharing the target's vocabulary (``logits`` of width >= ``vocab_size``).
+        vocab_size: the target's vocabulary size.
+    """
+
+    kind = "lm"
+
+    def __init__(self, model: nn.Module, vocab_size: int) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.device = next(model.parameters()).device
+        self.cache: DynamicCache | None = None
+        self._base: int | None = None  # committed length when the last proposal was drafted
+        self._fed_drafts = 0
+        self._cache_kw = cache_kwarg(model)
+
+    def _cached(self) -> int:
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def _step(self, ids: Sequence[int]) -> torch.Tensor:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
+        out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True)
+        return fit_vocab(out.logits[0, -1].float(), self.vocab_size)  # (V,)
+
+    def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self._base = None
+        self._fed_drafts = 0
+
+    @torch.inference_mode()
+    def propose(self, ctx: DecodeContext, k: int) -> Proposal:
+        if k <= 0:
+            return Proposal.empty()
+        seq = ctx.tokens
+        logits = self._step(seq[self._cached():])
+        self._base = len(seq)
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            q_i = ctx.sampling.warp(logits)  # (V,)
+            x = ctx.sampling.draw(q_i, ctx.generator)
+            drafts.append(x)
+            qs.append(q_i)
+            if i < k - 1:
+                logits = self._step([x])
+        self._fed_drafts = k - 1
+        return Proposal.chain(drafts, torch.stack(qs))
+
+    def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
+        if self._base is None:  # plain step: the cache is still a prefix of the sequence
+            return
+        keep = self._base + min(len(path), self._fed_drafts)
+        cached = self._cached()
+        if keep < cached:
+            self.cache.crop(keep - cached)
+        self._base = None
+
+
+def medusa_choices(branching: Sequence[int]) -> list[tuple[int, ...]]:
+    """Tree paths as rank tuples: depth ``d`` nodes take the top ``branching[d-1]`` tokens of head
+    ``d-1`` under every kept parent (a Cartesian product), in topological order."""
+    if not branching or any(int(b) < 1 for b in branching):
+        raise ValueError(f"branching must be a non-empty list of positive ints, got {list(branching)}")
+    out: list[tuple[int, ...]] = []
+    for depth in range(1, len(branching) + 1):
+        out.extend(itertools.product(*[range(int(b)) for b in branching[:depth]]))
+    return out
+
+
+class MedusaProposer(Proposer):
+    """Medusa heads: a static tree of candidates from the top-k of each head.
+
+    Head ``i`` applied to the target's final hidden state at the last committed position predicts
+    the token ``i + 1`` places after the pending one. Candidates are deterministic top-k choices,
+    so each node's ``q`` is a point mass and verification stays lossless.
+
+    Args:
+        heads: module with ``forward(hidden (B, T, H)) -> logits (B, T, N_heads, V)``.
+        vocab_size: the target's vocabulary size.
+        choices: tree paths as rank tuples (see :func:`medusa_choices`); default ``(4, 2, 2, 1)``.
+    """
+
+    kind = "medusa"
+
+    def __init__(self, heads: nn.Module, vocab_size: int,
+                 choices: Sequence[tuple[int, ...]] | None = None) -> None:
+        self.heads = heads
+        self.vocab_size = vocab_size
+        choices = list(choices) if choices is not None else medusa_choices((4, 2, 2, 1))
+        self.choices = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+        missing = [c for c in self.choices if len(c) > 1 and c[:-1] not in set(self.choices)]
+        if missing:
+            raise ValueError(f"medusa choices {missing[:3]} lack their parent paths; every prefix "
+                             "of a choice must also be a choice")
+        self.hidden: torch.Tensor | None = None
+
+    def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
+        self.hidden = target_out.hidden[-1]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DecodeContext, k: int) -> Proposal:
+        if k <= 0 or self.hidden is None:
+            return Proposal.empty()
+        logits = self.heads(self.hidden.view(1, 1, -1))[0, 0].float()  # (N_heads, V)
+        depth = min(k, logits.shape[0])
+        chosen = [c for c in self.choices if len(c) <= depth]
+        if not chosen:
+            return Proposal.empty()
+        max_rank = max(max(c) for c in chosen) + 1
+        top = torch.topk(fit_vocab(logits[:depth], self.vocab_size), max_rank, dim=-1).indices
+        index = {c: j for j, c in enumerate(chosen)}
+        tokens = [int(top[len(c) - 1, c[-1]]) for c in chosen]
+        parents = [index[c[:-1]] if len(c) > 1 else -1 for c in chosen]
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
+        self.hidden = target_out.hidden[-1]

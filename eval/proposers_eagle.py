@@ -1,0 +1,212 @@
+"""EAGLE proposers: a chain, and the EAGLE-2 dynamic tree.
+
+The head consumes pairs (feature ``f_t``, token ``x_{t+1}``) and predicts ``f_{t+1}``, whose logits
+give the distribution of ``x_{t+2}``. Pairs with *true* target features (of committed tokens) are
+kept in the head's KV cache; pairs with predicted features (drafted tokens) are only added while
+drafting and cropped afterwards. After each verification the target's final hidden states (or the
+fused layers) of the committed tokens become new true pairs.
+
+Reduced-vocabulary heads draft in their own vocabulary; ids are mapped to target ids through
+``head.to_target_ids`` (``d2t``) and draft distributions are scattered into the target vocabulary
+(ids outside the draft vocabulary get ``q = 0``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eval.proposers import DecodeContext, Proposal, Proposer
+from eval.target_model import TargetOutput
+
+
+class EagleProposer(Proposer):
+    """EAGLE head as a proposer.
+
+    Args:
+        head: module with ``forward(features (B,T,kH), input_ids (B,T), past_key_values,
+            position_ids, attention_mask (B,1,T,past+T) bool) -> (B,T,H)``, ``compute_logits`` and
+            optionally ``reduced``/``d2t`` (reduced vocabulary), ``new_cache`` and
+            ``cfg.fuse_layers``.
+        vocab_size: the target's vocabulary size.
+        tree: ``False`` drafts a chain sampled from the warped draft distribution (``q`` rows are
+            returned); ``True`` builds the EAGLE-2 dynamic tree of deterministic top-k choices
+            (point masses).
+        topk: branching factor of the dynamic tree (children per expanded node and nodes expanded
+            per depth).
+        total_tokens: nodes kept after the final rerank of the dynamic tree.
+    """
+
+    kind = "eagle"
+
+    def __init__(self, head: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
+                 total_tokens: int = 60) -> None:
+        if topk < 1 or total_tokens < 1:
+            raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
+        self.head = head
+        self.vocab_size = vocab_size
+        self.tree = tree
+        self.topk = topk
+        self.total_tokens = total_tokens
+        cfg = getattr(head, "cfg", None)
+        fuse = getattr(cfg, "fuse_layers", None)
+        self.layer_ids = tuple(fuse) if fuse else ()
+        self.device = next(head.parameters()).device
+        # reduced-vocabulary heads carry d2t (draft id -> target id); others draft in target ids
+        d2t = getattr(head, "d2t", None) if getattr(head, "reduced", False) else None
+        self._d2t: torch.Tensor | None = None if d2t is None else d2t.long().to(self.device)
+        self.kind = "eagle-tree" if tree else "eagle"
+        self.cache = None
+        self.n_true = 0
+        self._pending_feats: list[torch.Tensor] = []
+        self._pending_tokens: list[int] = []
+
+    def _features(self, out: TargetOutput) -> torch.Tensor:
+        """``(T, kH)`` features of the target output rows (final hidden, or fused layers)."""
+        if not self.layer_ids:
+            return out.hidden
+        if out.layers is None:
+            raise ValueError("this EAGLE head fuses target layers: build the Target with "
+                             f"layer_ids={list(self.layer_ids)}")
+        return torch.cat(list(out.layers), dim=-1)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self._d2t is None else self._d2t[draft_ids]
+
+    def _scatter_q(self, q_draft: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary probabilities ``(Vd,)`` -> target vocabulary ``(V,)``."""
+        if self._d2t is None and q_draft.shape[-1] == self.vocab_size:
+            return q_draft
+        ids = self._d2t if self._d2t is not None else torch.arange(q_draft.shape[-1])
+        q = q_draft.new_zeros(self.vocab_size)
+        return q.index_add(0, ids.to(q.device), q_draft)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden).float()
+
+    # ----- protocol --------------------------------------------------------------------------
+    def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
+        new_cache = getattr(self.head, "new_cache", None)
+        if new_cache is None:
+            from transformers import DynamicCache
+            self.cache = DynamicCache()
+        else:
+            self.cache = new_cache()
+        self.n_true = 0
+        feats = self._features(target_out)
+        self._pending_feats = [feats]
+        self._pending_tokens = list(tokens[1:])
+
+    def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
+        cached = int(self.cache.get_seq_length())
+        if cached > self.n_true:
+            self.cache.crop(self.n_true - cached)
+        self._pending_feats.append(self._features(target_out))
+        self._pending_tokens.extend(new_tokens)
+
+    def _feed_true(self) -> torch.Tensor:
+        """Feed the pending true pairs; returns the head output at the last one, ``(1, 1, H)``."""
+        feats = torch.cat(self._pending_feats, dim=0).to(self.device).unsqueeze(0)  # (1, m, kH)
+        ids = torch.tensor([self._pending_tokens], dtype=torch.long, device=self.device)  # (1, m)
+        m = ids.shape[1]
+        if feats.shape[1] != m:
+            raise RuntimeError(f"EAGLE state out of sync: {feats.shape[1]} features, {m} tokens")
+        pos = torch.arange(self.n_true, self.n_true + m, device=self.device).unsqueeze(0)
+        out = self.head(feats, ids, past_key_values=self.cache, position_ids=pos)  # (1, m, H)
+        self.n_true += m
+        self._pending_feats, self._pending_tokens = [], []
+        return out[:, -1:]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DecodeContext, k: int) -> Proposal:
+        if k <= 0:
+            return Proposal.empty()
+        last = self._feed_true()
+        if self.tree:
+            return self._propose_tree(last, k)
+        return self._propose_chain(last, k, ctx)
+
+    def _propose_chain(self, last: torch.Tensor, k: int, ctx: DecodeContext) -> Proposal:
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            q_d = ctx.sampling.warp(self._logits(last)[0, -1])  # (Vd,)
+            x_d = ctx.sampling.draw(q_d, ctx.generator)
+            x = int(self._to_target(torch.tensor(x_d, device=self.device)))
+            drafts.append(x)
+            qs.append(self._scatter_q(q_d))
+            if i < k - 1:
+                ids = torch.tensor([[x]], dtype=torch.long, device=self.device)
+                pos = torch.tensor([[self.n_true + i]], device=self.device)
+                last = self.head(last, ids, past_key_values=self.cache, position_ids=pos)
+        return Proposal.chain(drafts, torch.stack(qs))
+
+    def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
+        """EAGLE-2: expand the ``topk`` best nodes per depth by cumulative draft log-prob, then keep
+        the ``total_tokens`` best of all drafted nodes. All choices are deterministic."""
+        tokens: list[int] = []   # target ids
+        scores: list[float] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
+        fed: list[int] = []  # nodes fed to the head, in cache order
+
+        def add_children(parent: int, hidden: torch.Tensor, base: float, d: int) -> list[int]:
+            logp = torch.log_softmax(self._logits(hidden.view(1, 1, -1))[0, 0], dim=-1)  # (Vd,)
+            top = torch.topk(logp, min(self.topk, logp.shape[-1]))
+            ids = self._to_target(top.indices)
+            new = []
+            for lp, tid in zip(top.values.tolist(), ids.tolist()):
+                new.append(len(tokens))
+                tokens.append(int(tid))
+                scores.append(base + lp)
+                parents.append(parent)
+                depths.append(d)
+            return new
+
+        frontier = add_children(-1, root_hidden[0, 0], 0.0, 1)
+        for d in range(2, depth + 1):
+            expand = sorted(frontier, key=lambda j: -scores[j])[: self.topk]
+            feats = torch.stack([root_hidden[0, 0] if parents[j] < 0 else hidden_of[parents[j]]
+                                 for j in expand]).unsqueeze(0)  # (1, n, H)
+            ids = torch.tensor([[tokens[j] for j in expand]], dtype=torch.long, device=self.device)
+            fed.extend(expand)
+            # mask over [true prefix | previously fed nodes | these nodes]: ancestors and self
+            fed_pos = {node: i for i, node in enumerate(fed)}
+            mask = torch.zeros(len(expand), self.n_true + len(fed), dtype=torch.bool)
+            mask[:, : self.n_true] = True
+            for row, j in enumerate(expand):
+                node = j
+                while node >= 0:
+                    if node in fed_pos:
+                        mask[row, self.n_true + fed_pos[node]] = True
+                    node = parents[node]
+            pos = torch.tensor([[self.n_true + depths[j] - 1 for j in expand]], device=self.device)
+            out = self.head(feats, ids, past_key_values=self.cache, position_ids=pos,
+                            attention_mask=mask.view(1, 1, *mask.shape).to(self.device))  # (1, n, H)
+            frontier = []
+            for row, j in enumerate(expand):
+                hidden_of[j] = out[0, row]
+                frontier.extend(add_children(j, out[0, row], scores[j], d))
+        cached = int(self.cache.get_seq_length())
+        if cached > self.n_true:
+            self.cache.crop(self.n_true - cached)
+        return _rerank(tokens, scores, parents, depths, self.total_tokens)
+
+
+def _rerank(tokens: list[int], scores: list[float], parents: list[int], depths: list[int],
+            total: int) -> Proposal:
+    """Keep the ``total`` best nodes (ties: shallower first) plus any missing ancestors, and
+    return them in topological order (by depth, then score)."""
+    order = sorted(range(len(tokens)), key=lambda j: (-scores[j], depths[j], j))
+    keep = set(order[:total])
+    for j in list(keep):
+        node = parents[j]
+        while node >= 0 and node not in keep:
+            keep.add(node)
+            node = parents[node]
+    kept = sorted(keep, key=lambda j: (depths[j], -scores[j], j))
+    new_index = {j: i for i, j in enumerate(kept)}
+    return Proposal(torch.tensor([tokens[j] for j in kept], dtype=torch.long),
+                    torch.tensor([new_index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
+                                 dtype=torch.long))
+

@@ -1,0 +1,228 @@
+"""Draft family 1: a small causal LM sharing the target's vocabulary and tokenizer.
+
+The draft is a plain ``LlamaForCausalLM`` so that it saves with ``save_pretrained``, loads with
+``AutoModelForCausalLM`` and can serve as a transformers ``assistant_model``.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from heads.blocks import DistillTarget, pack_rows, shifted_labels, teacher_mask
+
+INIT_CHOICES = ("random", "target")
+
+
+@dataclass
+class DraftLMConfig:
+    """Size and initialisation of a draft LM.
+
+    Attributes:
+        num_layers: decoder layers in the draft.
+        hidden_size: residual width; must equal the target's for ``init="target"``.
+        intermediate_size: MLP width.
+        num_heads: attention heads.
+        num_kv_heads: key/value heads (grouped-query attention).
+        init: ``"random"`` (fresh weights) or ``"target"`` (copy embeddings, the layers in
+            ``init_layers``, final norm and LM head from the target; sizes must match).
+        init_layers: target layer indices copied into draft layers 0..num_layers-1 when
+            ``init="target"``; empty means evenly spaced from the first to the last layer.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    init: str = "target"
+    init_layers: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"DraftLMConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if self.init not in INIT_CHOICES:
+            raise ValueError(f"DraftLMConfig.init must be one of {INIT_CHOICES}, got {self.init!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"DraftLMConfig.hidden_size ({self.hidden_size}) must be divisible "
+                             f"by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DraftLMConfig.num_heads ({self.num_heads}) must be divisible by "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        self.init_layers = [int(i) for i in (self.init_layers or [])]
+        if self.init_layers and len(self.init_layers) != self.num_layers:
+            raise ValueError(f"DraftLMConfig.init_layers has {len(self.init_layers)} entries but "
+                             f"num_layers is {self.num_layers}; give one target layer per draft "
+                             "layer or leave it empty for evenly spaced layers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftLMConfig:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown DraftLMConfig keys {sorted(unknown)}; "
+                             f"allowed: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    @classmethod
+    def matching(cls, target_config: LlamaConfig, num_layers: int, **kw: Any) -> DraftLMConfig:
+        """A config with the target's widths and ``num_layers`` layers (so target init works)."""
+        return cls(num_layers=num_layers, hidden_size=target_config.hidden_size,
+                   intermediate_size=target_config.intermediate_size,
+                   num_heads=target_config.num_attention_heads,
+                   num_kv_heads=target_config.num_key_value_heads, **kw)
+
+
+# Size presets as plain config values; the widths match SmolLM2-135M so "target" init applies.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"num_layers": 2, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
+             "num_kv_heads": 3},
+    "small": {"num_layers": 4, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
+              "num_kv_heads": 3},
+}
+
+
+def preset(name: str, **overrides: Any) -> DraftLMConfig:
+    """Build a ``DraftLMConfig`` from a named preset in ``PRESETS`` with optional overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown draft LM preset {name!r}; choose one of {sorted(PRESETS)}")
+    return DraftLMConfig(**{**PRESETS[name], **overrides})
+
+
+def default_init_layers(num_draft: int, num_target: int) -> list[int]:
+    """Evenly spaced target layer ids from the first to the last (e.g. 2 of 30 -> [0, 29])."""
+    if num_draft == 1:
+        return [num_target - 1]
+    return [round(i * (num_target - 1) / (num_draft - 1)) for i in range(num_draft)]
+
+
+def draft_llama_config(cfg: DraftLMConfig, target_config: LlamaConfig) -> LlamaConfig:
+    """The draft's ``LlamaConfig``: the target's vocabulary, RoPE and special ids, draft sizes."""
+    dc = copy.deepcopy(target_config)
+    dc.num_hidden_layers = cfg.num_layers
+    dc.hidden_size = cfg.hidden_size
+    dc.intermediate_size = cfg.intermediate_size
+    dc.num_attention_heads = cfg.num_heads
+    dc.num_key_value_heads = cfg.num_kv_heads
+    dc.head_dim = cfg.hidden_size // cfg.num_heads
+    if getattr(dc, "quantization_config", None) is not None:
+        del dc.quantization_config
+    if hasattr(dc, "layer_types") and dc.layer_types is not None:
+        dc.layer_types = [dc.layer_types[0]] * cfg.num_layers
+    return dc
+
+
+def _check_target_init(cfg: DraftLMConfig, tc: LlamaConfig) -> list[int]:
+    pairs = {"hidden_size": (cfg.hidden_size, tc.hidden_size),
+             "intermediate_size": (cfg.intermediate_size, tc.intermediate_size),
+             "num_heads": (cfg.num_heads, tc.num_attention_heads),
+             "num_kv_heads": (cfg.num_kv_heads, tc.num_key_value_heads)}
+    bad = [f"{k}: draft {a} vs target {b}" for k, (a, b) in pairs.items() if a != b]
+    if bad:
+        raise ValueError("init='target' copies weights and needs matching sizes, but "
+                         + "; ".join(bad) + ". Use DraftLMConfig.matching(target_config, n) or "
+                         "init='random'.")
+    layers = cfg.init_layers or default_init_layers(cfg.num_layers, tc.num_hidden_layers)
+    out_of_range = [i for i in layers if not 0 <= i < tc.num_hidden_layers]
+    if out_of_range:
+        raise ValueError(f"init_layers {out_of_range} are outside the target's "
+                         f"{tc.num_hidden_layers} layers (valid ids 0..{tc.num_hidden_layers - 1})")
+    return layers
+
+
+def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> LlamaForCausalLM:
+    """Build a draft LM for ``target_model`` (same vocabulary, tokenizer and special ids).
+
+    Args:
+        cfg: draft sizes and init choice.
+        target_model: the target ``LlamaForCausalLM`` (only read).
+
+    Returns:
+        A ``LlamaForCausalLM`` in the target's dtype, in train mode.
+
+    Raises:
+        ValueError: ``init="target"`` with sizes that differ from the target's, or bad layer ids.
+    """
+    tc = target_model.config
+    dcfg = draft_llama_config(cfg, tc)
+    dtype = next(target_model.parameters()).dtype
+    draft = LlamaForCausalLM(dcfg).to(dtype)
+    if getattr(target_model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(target_model.generation_config)
+    if cfg.init == "target":
+        layers = _check_target_init(cfg, tc)
+        with torch.no_grad():
+            src, dst = target_model.model, draft.model
+            dst.embed_tokens.weight.copy_(src.embed_tokens.weight)
+            for j, i in enumerate(layers):
+                dst.layers[j].load_state_dict(src.layers[i].state_dict())
+            dst.norm.weight.copy_(src.norm.weight)
+            if not dcfg.tie_word_embeddings:
+                draft.lm_head.weight.copy_(target_model.lm_head.weight)
+    return draft.train()
+
+
+def apply_lora(model: LlamaForCausalLM, r: int = 8, alpha: float = 16.0,
+               target_modules: list[str] | None = None, dropout: float = 0.0) -> nn.Module:
+    """Wrap the draft in LoRA adapters (peft); only the adapters train.
+
+    Args:
+        model: the draft LM.
+        r: adapter rank (>= 1).
+        alpha: LoRA scaling numerator (effective scale alpha / r).
+        target_modules: module names to adapt; default all attention and MLP projections.
+        dropout: dropout on the adapter input.
+
+    Returns:
+        A ``peft.PeftModel``; call ``.merge_and_unload()`` to get a plain ``LlamaForCausalLM``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if r < 1:
+        raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+    modules = target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                 "down_proj"]
+    lcfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, lora_dropout=dropout,
+                      bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+def distill_targets(draft: nn.Module, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
+                    attention_mask: Tensor | None = None, packed: bool = False
+                    ) -> list[DistillTarget]:
+    """Teacher-forced training pairs for the draft LM (one draft position, k=1).
+
+    Alignment: draft logits at position t (having read tokens <= t) predict token t+1 and are
+    compared with the teacher ``p_t`` from ``hidden[:, t]``; counted iff token t+1 is a
+    non-padding token with ``loss_mask`` set.
+
+    Args:
+        draft: the draft LM (or its peft wrapper).
+        input_ids: (B, T) token ids.
+        hidden: (B, T, H) target final hidden states.
+        loss_mask: (B, T) bool, tokens to learn to predict.
+        attention_mask: (B, T) 0/1 padding mask or None.
+        packed: return only the counted entries, shaped (1, N, ...) (see ``pack_rows``); the LM
+            head then runs on those rows only.
+
+    Returns:
+        ``[DistillTarget(logits (B,T,V), hidden (B,T,H), mask (B,T), labels (B,T))]``.
+    """
+    mask = teacher_mask(loss_mask, attention_mask, 0)
+    labels = shifted_labels(input_ids, 0)
+    if not packed:
+        logits = draft(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+        return [DistillTarget(logits, hidden, mask, labels)]
+    # The decoder stack on every position, the LM head on the counted rows only (a LoRA wrapper
+    # forwards get_decoder / get_output_embeddings to the wrapped model, adapters included).
+    states = draft.get_decoder()(input_ids=input_ids, attention_mask=attention_mask
+                                 ).last_hidden_state  # (B, T, H_draft)
+    rows, teacher, labels, mask = pack_rows(mask, states, hidden, labels)
+    return [DistillTarget(draft.get_output_embeddings()(rows), teacher, mask, labels)]

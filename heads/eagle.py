@@ -1,0 +1,503 @@
+"""Draft family 3: an EAGLE feature-level head (one decoder layer of the target's architecture).
+
+Input at position t is the pair (feature f_t, embedding of token x_{t+1}); the output is the
+predicted feature f_{t+1} (the target's final-norm hidden state, i.e. the LM-head input), whose
+logits predict token t+2. Teacher for output position t is p_{t+1}; regression target hidden_{t+1}.
+
+Layout: ``fc`` fuses ``[features (k*H), embedding (H)] -> H``; ``layer`` is a transformers
+``LlamaDecoderLayer`` built from the target's config; ``lm_head`` is the frozen target LM head, or
+a trainable reduced-vocabulary head (EAGLE-3 style) with buffers ``d2t`` (draft id -> target id)
+and ``t2d`` (target id is in the draft vocabulary). ``EagleConfig.layout`` picks the rest:
+
+* ``"eagle1"`` (default): what EAGLE-1 serving engines compute, so the head exports exactly
+  (``scripts/export.py``): ``fc`` has no bias, the layer's ``input_layernorm`` is an
+  ``nn.Identity`` (the post-attention norm stays) and there is no output norm (``norm`` is an
+  ``nn.Identity``): the layer's residual output goes straight to the LM head.
+* ``"normed"``: ``fc`` with a bias, the layer's own input norm, and an output RMSNorm ``norm``
+  initialised from the target's final norm. No engine layout expresses it.
+
+With several fused target layers (k > 1) the head's own predictions (width H) cannot stand in
+for the k*H fused input, so a second fusion layer ``self_fc: [H, H] -> H`` handles inputs of
+width H; ``forward`` picks the layer by the feature width. With k = 1 both widths are equal and
+``fc`` serves both.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, LlamaConfig, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from heads.blocks import (
+    DistillTarget,
+    pack_rows,
+    additive_mask,
+    causal_allowed,
+    shift_left,
+    shifted_labels,
+    teacher_mask,
+)
+
+EAGLE_LAYOUTS = ("eagle1", "normed")
+
+
+@dataclass
+class EagleConfig:
+    """EAGLE head options.
+
+    Attributes:
+        draft_vocab_size: None = the target's vocabulary with its frozen LM head; an int selects
+            that many most frequent target ids (``build_vocab_map``) and a trainable LM head.
+        fuse_layers: None = input is the final hidden state; else ids into
+            ``out.hidden_states`` (0 = embeddings .. num_layers) fused as the input (k = len).
+        ttt_steps: training-time-test unrolling depth (draft positions trained per sample).
+        feature_noise: half-width a of uniform noise U(-a, a) added to the target features in
+            training (0 disables).
+        init_layer: None = fresh decoder layer; an int copies that target layer's weights.
+        layout: ``"eagle1"`` = the EAGLE-1 engine layout (no fc bias, no input norm on the
+            layer, no output norm; exportable); ``"normed"`` = fc bias, input norm and a
+            trainable output RMSNorm (not exportable). See the module docstring.
+    """
+
+    draft_vocab_size: int | None = None
+    fuse_layers: list[int] | None = None
+    ttt_steps: int = 1
+    feature_noise: float = 0.0
+    init_layer: int | None = None
+    layout: str = "eagle1"
+
+    def __post_init__(self) -> None:
+        if self.layout not in EAGLE_LAYOUTS:
+            raise ValueError(f"EagleConfig.layout must be one of {EAGLE_LAYOUTS}, got "
+                             f"{self.layout!r} (set draft.config.layout=eagle1 for a head "
+                             "serving engines can load)")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"EagleConfig.draft_vocab_size must be None or >= 1, "
+                             f"got {self.draft_vocab_size}")
+        if self.fuse_layers is not None:
+            self.fuse_layers = [int(i) for i in self.fuse_layers]
+            if not self.fuse_layers:
+                raise ValueError("EagleConfig.fuse_layers must be None or a non-empty list of "
+                                 "layer ids")
+        if self.ttt_steps < 1:
+            raise ValueError(f"EagleConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.feature_noise < 0:
+            raise ValueError(f"EagleConfig.feature_noise must be >= 0, got {self.feature_noise}")
+
+    @property
+    def num_fused(self) -> int:
+        return 1 if self.fuse_layers is None else len(self.fuse_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EagleConfig:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown EagleConfig keys {sorted(unknown)}; "
+                             f"allowed: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+
+def build_vocab_map(token_counts: Tensor, draft_vocab_size: int,
+                    always_include: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
+    """Select the draft vocabulary: the most frequent target ids (plus ``always_include``).
+
+    Ties are broken by the smaller id. The selected ids are returned sorted ascending.
+
+    Args:
+        token_counts: (V,) counts of each target id in the training data.
+        draft_vocab_size: number of draft ids (<= V).
+        always_include: target ids that must be in the draft vocabulary (e.g. EOS).
+
+    Returns:
+        ``d2t`` (V_draft,) long, the target id of each draft id, and ``t2d`` (V,) bool.
+    """
+    counts = torch.as_tensor(token_counts).flatten().to(torch.float64)
+    vocab = counts.numel()
+    if not 1 <= draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), "
+                         f"got {draft_vocab_size}")
+    forced = sorted({int(i) for i in always_include})
+    if any(not 0 <= i < vocab for i in forced):
+        raise ValueError(f"always_include ids must be in 0..{vocab - 1}, got {forced}")
+    if len(forced) > draft_vocab_size:
+        raise ValueError(f"always_include has {len(forced)} ids, more than draft_vocab_size "
+                         f"{draft_vocab_size}")
+    score = counts.clone()
+    score[forced] = float("inf")
+    # Stable sort on descending counts keeps smaller ids first among ties.
+    order = torch.sort(-score, stable=True).indices
+    d2t = torch.sort(order[:draft_vocab_size]).values.long()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[d2t] = True
+    return d2t, t2d
+
+
+def head_llama_config(target_config: LlamaConfig) -> LlamaConfig:
+    """The target's config cut to one layer (for the head's decoder layer, rotary and cache)."""
+    cfg = copy.deepcopy(target_config)
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "quantization_config", None) is not None:
+        del cfg.quantization_config
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = cfg.layer_types[:1]
+    if cfg._attn_implementation is None:
+        cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class EagleHead(nn.Module):
+    """EAGLE head; see the module docstring for the layout and alignment."""
+
+    def __init__(self, cfg: EagleConfig, target_config: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.config = head_llama_config(target_config)
+        h, v = self.config.hidden_size, self.config.vocab_size
+        self.hidden_size, self.vocab_size = h, v
+        n_layers = target_config.num_hidden_layers
+        if cfg.fuse_layers is not None:
+            bad = [i for i in cfg.fuse_layers if not 0 <= i <= n_layers]
+            if bad:
+                raise ValueError(f"fuse_layers {bad} are not hidden-state ids of the target "
+                                 f"(valid 0..{n_layers}, 0 = embeddings)")
+        if cfg.init_layer is not None and not 0 <= cfg.init_layer < n_layers:
+            raise ValueError(f"init_layer {cfg.init_layer} is outside the target's {n_layers} "
+                             "layers")
+        k = cfg.num_fused
+        normed = cfg.layout == "normed"
+        self.fc = nn.Linear(k * h + h, h, bias=normed)
+        self.self_fc = nn.Linear(2 * h, h, bias=normed) if k > 1 else None
+        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        self.norm: nn.Module
+        if normed:
+            self.norm = LlamaRMSNorm(h, eps=self.config.rms_norm_eps)
+        else:  # EAGLE-1: the fused input enters attention unnormalised; no output norm
+            self.layer.input_layernorm = nn.Identity()
+            self.norm = nn.Identity()
+        self.rotary_emb = LlamaRotaryEmbedding(self.config)
+        self.embed_tokens = nn.Embedding(v, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.reduced = cfg.draft_vocab_size is not None
+        if self.reduced:
+            vd = int(cfg.draft_vocab_size)
+            if vd > v:
+                raise ValueError(f"draft_vocab_size {vd} exceeds the target vocabulary {v}")
+            self.lm_head = nn.Linear(h, vd, bias=False)
+            self.register_buffer("d2t", torch.arange(vd, dtype=torch.long))
+            t2d = torch.zeros(v, dtype=torch.bool)
+            t2d[:vd] = True
+            self.register_buffer("t2d", t2d)
+        else:
+            self.lm_head = nn.Linear(h, v, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+
+    # ----- frozen parts ------------------------------------------------------------------
+    def _frozen_prefixes(self) -> tuple[str, ...]:
+        return ("embed_tokens.",) if self.reduced else ("embed_tokens.", "lm_head.")
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """The state dict without the frozen target parts (embedding; full-vocab LM head)."""
+        return {k: v for k, v in self.state_dict().items()
+                if not k.startswith(self._frozen_prefixes())}
+
+    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load what ``trainable_state_dict`` saved; frozen parts come from ``attach_target``."""
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith(self._frozen_prefixes())]
+        if missing or unexpected:
+            raise ValueError(f"EAGLE state dict does not match the head: missing {missing}, "
+                             f"unexpected {unexpected}")
+
+    @torch.no_grad()
+    def attach_target(self, target_model: PreTrainedModel) -> None:
+        """Point the frozen embedding (and full-vocab LM head) at the target's weights."""
+        emb = target_model.get_input_embeddings().weight
+        out = target_model.get_output_embeddings().weight
+        want = (self.vocab_size, self.hidden_size)
+        for name, w in (("input embedding", emb), ("LM head", out)):
+            if tuple(w.shape) != want:
+                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the head expects "
+                                 f"{want}: the head was built for another target")
+        ref = self.fc.weight
+        self.embed_tokens.weight = nn.Parameter(emb.detach().to(ref), requires_grad=False)
+        if not self.reduced:
+            self.lm_head.weight = nn.Parameter(out.detach().to(ref), requires_grad=False)
+
+    @torch.no_grad()
+    def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install the draft vocabulary map (reduced-vocabulary heads only)."""
+        if not self.reduced:
+            raise ValueError("set_vocab_map needs EagleConfig.draft_vocab_size to be set")
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab map shapes {tuple(d2t.shape)}, {tuple(t2d.shape)} do not "
+                             f"match {tuple(self.d2t.shape)}, {tuple(self.t2d.shape)}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    # ----- forward -----------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        """An empty cache for step-by-step drafting with ``forward(..., past_key_values=)``."""
+        return DynamicCache(config=self.config)
+
+    def forward(self, features: Tensor, input_ids: Tensor,
+                past_key_values: DynamicCache | None = None, position_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """Predict the next features.
+
+        Args:
+            features: (B, T, k*H) target features, or (B, T, H) the head's own predictions.
+            input_ids: (B, T) the token x_{t+1} paired with each feature f_t.
+            past_key_values: a ``DynamicCache`` with earlier positions (extended in place).
+            position_ids: (B, T) positions; default ``past + arange(T)``.
+            attention_mask: None (causal over cache + new tokens), (B, past+T) 0/1 padding
+                mask combined with causal, or a 4D (B, 1, T, past+T) mask: bool (True = attend)
+                or additive float.
+
+        Returns:
+            (B, T, H) predicted features f_{t+1}.
+        """
+        bsz, seq = input_ids.shape
+        if features.shape[:2] != (bsz, seq):
+            raise ValueError(f"features {tuple(features.shape)} and input_ids {(bsz, seq)} "
+                             "disagree on (B, T)")
+        h = self.hidden_size
+        dtype = self.fc.weight.dtype
+        features = features.to(dtype)
+        emb = self.embed_tokens(input_ids).to(dtype)  # (B, T, H)
+        width = features.shape[-1]
+        if width == self.fc.in_features - h:
+            x = self.fc(torch.cat([features, emb], dim=-1))
+        elif self.self_fc is not None and width == h:
+            x = self.self_fc(torch.cat([features, emb], dim=-1))
+        else:
+            raise ValueError(f"features have width {width}; expected {self.fc.in_features - h}"
+                             + (f" (fused target layers) or {h} (own predictions)"
+                                if self.self_fc is not None else ""))
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = (torch.arange(seq, device=x.device) + past)[None].expand(bsz, -1)
+        mask = self._mask(attention_mask, bsz, seq, past, x.device, dtype)
+        cos_sin = self.rotary_emb(x, position_ids)
+        out = self.layer(x, attention_mask=mask, position_ids=position_ids,
+                         cache=past_key_values, use_cache=past_key_values is not None,
+                         position_embeddings=cos_sin)
+        return self.norm(out)
+
+    @staticmethod
+    def _mask(attention_mask: Tensor | None, bsz: int, seq: int, past: int,
+              device: torch.device, dtype: torch.dtype) -> Tensor:
+        kv = past + seq
+        if attention_mask is None:
+            allowed = causal_allowed(seq, past, device).expand(bsz, 1, seq, kv)
+        elif attention_mask.dim() == 2:
+            if attention_mask.shape != (bsz, kv):
+                raise ValueError(f"2D attention_mask must be (B, past+T) = {(bsz, kv)}, got "
+                                 f"{tuple(attention_mask.shape)}")
+            allowed = causal_allowed(seq, past, device) & attention_mask.bool()[:, None, None, :]
+        elif attention_mask.dim() == 4:
+            if attention_mask.shape[-2:] != (seq, kv):
+                raise ValueError(f"4D attention_mask must end in (T, past+T) = {(seq, kv)}, got "
+                                 f"{tuple(attention_mask.shape)}")
+            if attention_mask.dtype != torch.bool:
+                return attention_mask.to(dtype)
+            allowed = attention_mask
+        else:
+            raise ValueError("attention_mask must be None, 2D (B, past+T) or 4D (B, 1, T, past+T)"
+                             f", got {attention_mask.dim()}D")
+        return additive_mask(allowed, dtype)
+
+    def compute_logits(self, hidden_out: Tensor) -> Tensor:
+        """(B, T, H) predicted features -> (B, T, V_draft) logits (V_draft = V when not reduced)."""
+        return self.lm_head(hidden_out)
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
+        return self.d2t[draft_ids] if self.reduced else draft_ids
+
+
+def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
+                token_counts: Tensor | None = None,
+                always_include: Sequence[int] = ()) -> EagleHead:
+    """Build an EAGLE head for ``target_model`` (in its dtype).
+
+    Args:
+        cfg: head options.
+        target_model: the target ``LlamaForCausalLM`` (only read).
+        token_counts: (V,) target-id counts; required when ``cfg.draft_vocab_size`` is set.
+        always_include: ids forced into a reduced vocabulary (default: the EOS ids).
+
+    Returns:
+        The head in train mode with the frozen parts attached.
+    """
+    w = target_model.get_output_embeddings().weight
+    head = EagleHead(cfg, target_model.config).to(w.dtype)
+    with torch.no_grad():
+        if head.reduced:
+            if token_counts is None:
+                raise ValueError("draft_vocab_size is set: pass token_counts (V,) from the "
+                                 "training data to choose the draft vocabulary")
+            eos = target_model.config.eos_token_id
+            forced = list(always_include) or ([eos] if isinstance(eos, int) else list(eos or []))
+            d2t, t2d = build_vocab_map(token_counts, int(cfg.draft_vocab_size), forced)
+            head.set_vocab_map(d2t.to(head.d2t.device), t2d.to(head.t2d.device))
+            head.lm_head.weight.copy_(w[d2t.to(w.device)])
+        if cfg.layout == "normed":
+            head.norm.weight.copy_(target_model.model.norm.weight)
+        if cfg.init_layer is not None:
+            src = target_model.model.layers[cfg.init_layer].state_dict()
+            if isinstance(head.layer.input_layernorm, nn.Identity):
+                src = {k: v for k, v in src.items() if not k.startswith("input_layernorm.")}
+            head.layer.load_state_dict(src)
+    head.attach_target(target_model)
+    return head.train()
+
+
+build_eagle_head = build_eagle  # the name the training recipe uses
+
+
+def fuse_features(layers: Tensor, layer_ids: Sequence[int], fuse_layers: Sequence[int]) -> Tensor:
+    """Concatenate the chosen target layers into the head's input features.
+
+    Args:
+        layers: (B, L, T, H) cached hidden states; ``layers[:, j]`` is hidden-state id
+            ``layer_ids[j]``.
+        layer_ids: the hidden-state id of each of the L cached layers.
+        fuse_layers: the ids to fuse, in order.
+
+    Returns:
+        (B, T, k*H) with the k = len(fuse_layers) layers side by side.
+    """
+    ids = list(layer_ids)
+    missing = [i for i in fuse_layers if i not in ids]
+    if missing:
+        raise ValueError(f"fuse_layers {missing} are not in the feature cache (cached layer ids "
+                         f"{ids}); rebuild the cache with these layers")
+    picked = [layers[:, ids.index(i)] for i in fuse_layers]  # k x (B, T, H)
+    return torch.cat(picked, dim=-1)
+
+
+def _ttt_allowed(seq: int, step: int, pad: Tensor | None, bsz: int,
+                 device: torch.device) -> Tensor:
+    """(B, 1, T, step*T) bool mask for unrolling step ``step`` (1-based); see the unrolled forward."""
+    causal = causal_allowed(seq, 0, device)[0, 0]  # (T, T)
+    blocks = [causal] + [torch.eye(seq, dtype=torch.bool, device=device)] * (step - 1)
+    allowed = torch.cat(blocks, dim=-1)[None, None].expand(bsz, 1, seq, step * seq).clone()
+    if pad is not None:  # step-1 keys at padding positions are never attended
+        allowed[..., :seq] &= pad.bool()[:, None, None, :]
+        allowed[..., torch.arange(seq), torch.arange(seq)] = True  # keep every row non-empty
+    return allowed
+
+
+def eagle_unrolled_forward(head: EagleHead, features: Tensor, input_ids: Tensor, steps: int,
+                           attention_mask: Tensor | None = None,
+                           detach_between_steps: bool = False) -> list[Tensor]:
+    """Training-time-test unrolling: run the head ``steps`` times on its own predictions.
+
+    Alignment, for step s = 1..steps and sequence index t (all steps keep length T):
+
+    * input token: ``x_{t+s}`` (``input_ids`` shifted left by s, 0 past the end);
+    * input feature: step 1 the target's ``f_t`` (plus training noise); step s > 1 the head's
+      own step-(s-1) output at the same index t (its prediction of ``f_{t+s-1}``);
+    * position id: ``t + s - 1``;
+    * attention: step-1 keys at indices ``j <= t`` (non-padding), and for every earlier or
+      current step r >= 2 only the step-r key at the same index t;
+    * output at t: the prediction of ``f_{t+s}``; teacher ``p_{t+s}``, data token ``x_{t+s+1}``.
+
+    This is exactly what drafting computes at inference after the target has produced features
+    up to t: the head's cache holds the step-1 entries of positions <= t, and each further draft
+    token appends one entry at the next position. Entries whose token x_{t+s} is past the end
+    only influence other such entries and are masked out of the losses.
+
+    Args:
+        head: the EAGLE head.
+        features: (B, T, k*H) target features (final hidden state, or fused layers).
+        input_ids: (B, T) token ids.
+        steps: unrolling depth (>= 1).
+        attention_mask: (B, T) 0/1 padding mask or None.
+        detach_between_steps: stop gradients flowing from step s into step s-1's output.
+
+    Returns:
+        list of ``steps`` tensors (B, T, H): the predicted features of each step.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    bsz, seq = input_ids.shape
+    if features.shape[:2] != (bsz, seq):
+        raise ValueError(f"features {tuple(features.shape)} and input_ids {(bsz, seq)} disagree "
+                         "on (B, T)")
+    feats = features.to(head.fc.weight.dtype)
+    if head.training and head.cfg.feature_noise > 0:
+        a = head.cfg.feature_noise
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * a
+    cache = head.new_cache()
+    base = torch.arange(seq, device=input_ids.device)[None].expand(bsz, -1)
+    outs: list[Tensor] = []
+    for s in range(1, steps + 1):
+        allowed = _ttt_allowed(seq, s, attention_mask, bsz, input_ids.device)
+        out = head(feats, shift_left(input_ids, s, 0), past_key_values=cache,
+                   position_ids=base + (s - 1), attention_mask=allowed)
+        outs.append(out)
+        feats = out.detach() if detach_between_steps else out
+    return outs
+
+
+def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
+                    attention_mask: Tensor | None = None, layers: Tensor | None = None,
+                    layer_ids: Sequence[int] | None = None,
+                    num_steps: int | None = None, packed: bool = False) -> list[DistillTarget]:
+    """Training pairs for every unrolled step (draft position k = s).
+
+    Alignment: step s output at t is compared with the teacher ``p_{t+s}`` from
+    ``hidden[:, t+s]`` (also its feature-regression target); counted iff token t+s+1 exists, is
+    not padding and has ``loss_mask`` set. See ``eagle_unrolled_forward`` for the inputs.
+
+    Args:
+        head: the EAGLE head.
+        input_ids: (B, T) token ids.
+        hidden: (B, T, H) target final hidden states.
+        loss_mask: (B, T) bool, tokens to learn to predict.
+        attention_mask: (B, T) 0/1 padding mask or None.
+        layers: (B, L, T, H) cached layers (needed when the head fuses layers).
+        layer_ids: hidden-state id of each cached layer; None means ``layers`` holds exactly
+            ``head.cfg.fuse_layers`` in that order.
+        num_steps: unrolling depth; default ``head.cfg.ttt_steps``.
+        packed: return only the counted entries, shaped (1, N, ...) (see ``pack_rows``); the LM
+            head then runs on those rows only.
+
+    Returns:
+        list over steps of ``DistillTarget(logits (B,T,V_draft), teacher_hidden (B,T,H),
+        mask (B,T), labels (B,T) target ids, draft_hidden (B,T,H))``.
+    """
+    if head.cfg.fuse_layers is None:
+        features = hidden
+    else:
+        if layers is None:
+            raise ValueError("this head fuses target layers: pass layers (B, L, T, H) from a "
+                             "feature cache built with those layer ids")
+        ids = list(layer_ids) if layer_ids is not None else list(head.cfg.fuse_layers)
+        if layers.shape[1] != len(ids):
+            raise ValueError(f"layers holds {layers.shape[1]} layers but {len(ids)} layer ids "
+                             f"({ids}) describe it; pass layer_ids from the cache manifest")
+        features = fuse_features(layers, ids, head.cfg.fuse_layers)
+    outs = eagle_unrolled_forward(head, features, input_ids, num_steps or head.cfg.ttt_steps,
+                                  attention_mask)
+    result = []
+    for s, o in enumerate(outs, start=1):
+        mask = teacher_mask(loss_mask, attention_mask, s)
+        teacher, labels = shift_left(hidden, s, 0.0), shifted_labels(input_ids, s)
+        if packed:
+            o, teacher, labels, mask = pack_rows(mask, o, teacher, labels)
+        result.append(DistillTarget(head.compute_logits(o), teacher, mask, labels, draft_hidden=o))
+    return result

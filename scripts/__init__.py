@@ -1,0 +1,1 @@
+"""draftsmith command-line scripts."""

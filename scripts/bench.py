@@ -1,0 +1,318 @@
+"""Benchmark every decoding method and every draft family on the real target, in one run.
+
+    python scripts/bench.py lm=DIR medusa=DIR eagle=DIR          # `make bench ARGS="lm=..."`
+
+On MT-bench questions (first turns, chat template with a generation prompt), at each temperature
+of ``temperatures``: plain decoding (ours), transformers ``generate``, ``generate`` with
+``assistant_model`` = the draft LM at the same K, ``prompt_lookup_num_tokens`` at that K, and our
+decoder with the draft LM, Medusa (static tree) and EAGLE (chain at K*, and the dynamic tree)
+for the packages given. A missing package is skipped with a printed note. Then a few training
+steps per draft family (``train/distill.py`` as a subprocess on the cached target features):
+tokens/s from its ``train_log.jsonl`` and the subprocess's peak resident memory.
+
+Per method the tables give medians over prompts of tokens/s, and ratios measured in this run
+(per prompt: method tokens/s over plain decoding's tokens/s on the same prompt; median over
+prompts). ``bench/results.json`` holds everything, ``bench/results.md`` the tables, with the
+hardware, versions, date and command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eval import decode
+from eval.kstar import environment
+
+CONF_FILE = REPO / "conf" / "bench.yaml"
+FAMILIES = ("lm", "medusa", "eagle")
+
+
+# ----------------------------------------------------------------------------- helpers
+def repo_path(p: str | Path) -> Path:
+    """A path from the config: relative paths are relative to the repository."""
+    p = Path(str(p)).expanduser()
+    return p if p.is_absolute() else (REPO / p).resolve()
+
+
+def per_prompt_tps(samples: list[dict]) -> list[float]:
+    """Tokens/s of each sample (new tokens over its generation wall time)."""
+    return [len(s["output_ids"]) / s["wall_time_s"] if s["wall_time_s"] else 0.0 for s in samples]
+
+
+def paired_ratio(samples: list[dict], base: list[dict]) -> float | None:
+    """Median over prompts of (tokens/s of ``samples``) / (tokens/s of ``base``), same prompts."""
+    ratios = [a / b for a, b in zip(per_prompt_tps(samples), per_prompt_tps(base)) if b > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def row(method: str, result: dict, temperature: float, plain: dict | None,
+        hf: dict | None) -> dict[str, Any]:
+    """One table row from a decoder-format result (``summary`` + ``samples``)."""
+    s, samples = result["summary"], result["samples"]
+    tps = per_prompt_tps(samples)
+    return {"method": method, "temperature": temperature, "k": s.get("k"),
+            "k_source": s.get("k_source"), "draft_kind": s.get("draft_kind"),
+            "tokens": s["tokens_generated"], "median_tokens_per_s": statistics.median(tps),
+            "tokens_per_s": s["tokens_per_s"], "tau": s.get("tau"),
+            "acceptance_rate": s.get("acceptance_rate"), "alpha": s.get("alpha") or [],
+            "speedup_vs_plain": paired_ratio(samples, plain["samples"]) if plain else None,
+            "speedup_vs_hf_generate": paired_ratio(samples, hf["samples"]) if hf else None,
+            "lossless": s.get("lossless"),
+            # T=0: share of prompts whose output equals plain decoding's (lossless check)
+            "same_as_plain": (statistics.fmean(a["output_ids"] == b["output_ids"] for a, b in
+                                               zip(samples, plain["samples"]))
+                              if plain and temperature == 0 else None)}
+
+
+def note(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- decoding
+def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int | None,
+          tree: str) -> dict:
+    dcfg = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE), {
+        "draft": draft, "prompts": str(repo_path(cfg.questions)), "limit": int(cfg.limit),
+        "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(temperature), "k": k,
+        "adaptive_k": bool(cfg.adaptive_k), "fallback": bool(cfg.adaptive_k), "tree": tree,
+        "tree_topk": int(cfg.tree_topk), "tree_size": int(cfg.tree_size),
+        "medusa_branching": list(cfg.medusa_branching), "baseline": False, "dtype": cfg.dtype,
+        "device": cfg.device, "seed": int(cfg.seed), "out": None})
+    return decode.run(dcfg, loaded)
+
+
+def package_k(path: str | None, k: int | None) -> tuple[int, str]:
+    """K for a package: ``k`` when set, else its measured K* (``speculation.json``), else 4.
+
+    A measured K* of 0 (plain decoding wins) would turn the draft's methods into plain decoding,
+    so they run at the default K instead, and the source says so.
+    """
+    spec = repo_path(path) / "speculation.json" if path else None
+    speculation = json.loads(spec.read_text()) if spec is not None and spec.is_file() else None
+    k_used, source = decode.resolve_k(k, speculation)
+    if k_used == 0:
+        return decode.DEFAULT_K, "default (measured K*=0)"
+    return k_used, source
+
+
+def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
+    """Every decoding method at every temperature; rows of :func:`row`."""
+    from eval.peers import run_peer_on
+
+    model, tok = loaded.model, loaded.tokenizer
+    drafts = {}
+    for fam in FAMILIES:
+        path = cfg.get(fam)
+        if path is None:
+            note(f"no {fam}= package given: skipping {fam} methods")
+        elif not repo_path(path).is_dir():
+            note(f"{fam}={path} does not exist: skipping {fam} methods")
+        else:
+            drafts[fam] = str(repo_path(path))
+    k_of = {fam: package_k(path, cfg.k) for fam, path in drafts.items()}
+    k_lm, k_src = k_of.get("lm") or package_k(None, cfg.k)
+    assistant = None
+    if "lm" in drafts and cfg.hf_generate:
+        pkg = decode.load_draft(drafts["lm"], loaded)
+        assistant = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
+    rows = []
+    for t in [float(x) for x in cfg.temperatures]:
+        note(f"T={t}: plain decoding (ours)")
+        plain = _ours(cfg, loaded, "none", t, 0, "auto")
+        hf = None
+        peers = {}
+        if cfg.hf_generate:
+            note(f"T={t}: transformers generate")
+            hf = run_peer_on(model, records, "hf_generate", temperature=t,
+                             max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed),
+                             tokenizer=tok, baseline=False)
+            if assistant is not None:
+                note(f"T={t}: transformers generate(assistant_model=lm), K={k_lm}")
+                peers["hf_assisted"] = run_peer_on(
+                    model, records, "hf_assisted", temperature=t, k=k_lm, schedule="constant",
+                    assistant=assistant, max_new_tokens=int(cfg.max_new_tokens),
+                    seed=int(cfg.seed), tokenizer=tok, baseline=False)
+        if cfg.prompt_lookup:
+            note(f"T={t}: transformers prompt_lookup_num_tokens={k_lm}")
+            peers["hf_prompt_lookup"] = run_peer_on(
+                model, records, "hf_prompt_lookup", temperature=t, k=k_lm,
+                max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed), tokenizer=tok,
+                baseline=False)
+        ours = {}
+        for fam, path in drafts.items():
+            modes = {"lm": [("chain", "lm")], "medusa": [("tree", "medusa")],
+                     "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
+            for tree, name in modes:
+                note(f"T={t}: ours {name}")
+                res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
+                res["summary"]["k_source"] = k_of[fam][1]
+                ours[name] = res
+        rows.append(row("plain (ours)", plain, t, plain, hf))
+        if hf is not None:
+            rows.append(row("hf_generate", hf, t, plain, hf))
+        for name, res in peers.items():
+            res["summary"]["k_source"] = k_src
+            rows.append(row(name, res, t, plain, hf))
+        for name, res in ours.items():
+            rows.append(row(f"ours {name}", res, t, plain, hf))
+    return rows
+
+
+# ----------------------------------------------------------------------------- training
+def run_with_peak_rss(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float, float]:
+    """Run ``cmd``; returns (exit code, wall seconds, peak RSS in MiB of it and its children)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
+                                    "OMP_NUM_THREADS", str(torch.get_num_threads()))})
+        deadline = t0 + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.2)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss / 1024  # KiB -> MiB
+
+
+def bench_training(cfg: DictConfig) -> list[dict]:
+    """A few distill.py steps per family on the real target's cached features."""
+    out = []
+    tcfg = cfg.train
+    for fam in tcfg.families:
+        if fam not in FAMILIES:
+            raise ValueError(f"train.families: unknown family {fam!r}; allowed {list(FAMILIES)}")
+        with tempfile.TemporaryDirectory(prefix=f"bench-train-{fam}-") as tmp:
+            cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"draft={fam}",
+                   f"out_dir={tmp}", "logging=none", f"train.max_steps={int(tcfg.steps)}",
+                   f"train.micro_batch_size={int(tcfg.micro_batch_size)}", "train.log_every=1",
+                   "train.eval_batches=1", f"train.eval_every={10 ** 6}",
+                   f"train.save_every={10 ** 6}", "train.resume=false", *list(tcfg.overrides)]
+            if cfg.target_path:
+                cmd.append(f"target.path={cfg.target_path}")
+            note(f"training throughput: {fam} ({tcfg.steps} steps)")
+            log = Path(tmp) / "bench.log"
+            rc, wall, rss = run_with_peak_rss(cmd, log, float(tcfg.timeout_s))
+            logs = Path(tmp) / "train_log.jsonl"
+            recs = [json.loads(x) for x in logs.read_text().splitlines() if x.strip()] \
+                if logs.is_file() else []
+            tps = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r]
+            entry = {"family": fam, "steps": int(tcfg.steps), "exit_code": rc,
+                     "tokens_per_s": tps[-1] if tps else None, "peak_rss_mib": rss,
+                     "wall_s": wall, "command": " ".join(cmd[1:])}
+            if rc != 0 or not tps:
+                entry["error_tail"] = log.read_text()[-1500:]
+                note(f"training {fam} failed (exit {rc}); see results.json error_tail")
+            out.append(entry)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    """The results as Markdown tables."""
+    env = res["environment"]
+    cfg = res["config"]
+    lines = ["# draftsmith benchmark", "",
+             f"- date: {env['date']}",
+             f"- hardware: {env['hardware']}",
+             f"- versions: {env['versions']}",
+             f"- dtype: {cfg['dtype']}, device: {cfg['device']}",
+             (f"- prompts: {res['prompts']} ({res['n_prompts']} questions, first turn, "
+             f"{cfg['max_new_tokens']} new tokens)"),
+             f"- command: `{res['command']}`",
+             "",
+             ("Tokens/s: median over prompts. Ratios: per prompt against plain decoding (ours) "
+             "and transformers generate on the same prompt in this run, median over prompts. "
+              "Same as plain (T=0): share of prompts with output identical to plain decoding."),
+             "",
+             "| T | method | K | tokens/s | vs plain | vs generate | tau | accept | same as plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["decoding"]:
+        k = "-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"] else str(r["k"])
+        lines.append(f"| {r['temperature']:g} | {r['method']} | {k} | "
+                     f"{_fmt(r['median_tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_plain'])}x | "
+                     f"{_fmt(r['speedup_vs_hf_generate'])}x | {_fmt(r['tau'])} | "
+                     f"{_fmt(r['acceptance_rate'])} | {_fmt(r['same_as_plain'])} |")
+    if res["training"]:
+        lines += ["", "## Training throughput", "",
+                  "| family | steps | tokens/s | peak RSS (MiB) | wall (s) | exit |",
+                  "|---|---|---|---|---|---|"]
+        for t in res["training"]:
+            lines.append(f"| {t['family']} | {t['steps']} | {_fmt(t['tokens_per_s'], '.0f')} | "
+                         f"{t['peak_rss_mib']:.0f} | {t['wall_s']:.0f} | {t['exit_code']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run the benchmark; returns the ``results.json`` dict."""
+    from data.target import load_target
+
+    questions = repo_path(cfg.questions)
+    if not questions.is_file():
+        raise ValueError(f"questions={cfg.questions}: no such file ({questions}); pass the path "
+                         "of a FastChat question.jsonl (e.g. MT-bench's)")
+    if int(cfg.limit) < 1 or int(cfg.max_new_tokens) < 1:
+        raise ValueError("limit and max_new_tokens must be >= 1")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    t0 = time.perf_counter()
+    loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
+    loaded.model.to(cfg.device).eval()
+    records = decode.prompt_records(str(questions), loaded.tokenizer, int(cfg.limit))
+    decoding = bench_decoding(cfg, loaded, records)
+    training = bench_training(cfg) if cfg.train.enabled else []
+    res = {"config": OmegaConf.to_container(cfg, resolve=True), "prompts": str(questions),
+           "n_prompts": len(records), "target": loaded.identity.to_dict(),
+           "decoding": decoding, "training": training,
+           "bench_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "bench_wall_s": time.perf_counter() - t0,
+           "environment": environment(cfg.device),
+           "command": "python scripts/bench.py " + " ".join(sys.argv[1:])}
+    out = repo_path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, out / "results.md")
+    note(f"wrote {out / 'results.json'} and {out / 'results.md'} "
+         f"({res['bench_wall_s']:.0f} s)")
+    return res
+
+
+def _main(cfg: DictConfig) -> None:
+    res = run(cfg)
+    print((repo_path(cfg.out_dir) / "results.md").read_text())
+    del res
+
+
+def _register_config() -> str:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="draftsmith_bench", node=OmegaConf.load(CONF_FILE))
+    return "draftsmith_bench"
+
+
+if __name__ == "__main__":
+    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()

@@ -1,0 +1,395 @@
+"""Export a draft package for serving engines, and read exports back.
+
+    python scripts/export.py draft=outputs/eagle/package format=eagle out=exports/eagle
+
+Formats (layouts and their sources: ``scripts/export_layouts.py``):
+
+* ``hf``          draft LM -> transformers model dir (``assistant_model`` in ``generate``).
+* ``medusa``      Medusa heads -> ``config.json`` + ``medusa_lm_head.safetensors``.
+* ``eagle``       EAGLE head -> EAGLE-1 reference layout (vLLM / SGLang EAGLE loaders).
+* ``speculators`` EAGLE head -> speculators ``eagle`` format (``speculators_config``).
+
+EAGLE heads export exactly only when trained with ``draft.config.layout=eagle1`` (the default),
+the final hidden state as input and the target's vocabulary; anything else is refused with the
+reasons, since the engines would silently compute different drafts.
+
+Every export holds ``manifest.json`` (sha256 and size of each file, draft family, target
+identity, head and training config) and a copy of ``speculation.json`` when the package has one.
+``import_export(dir)`` loads any export back into draftsmith's heads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from heads.package import (
+    FORMAT_VERSION,
+    MANIFEST,
+    DraftPackage,
+    build_head,
+    check_target,
+    fresh_tmp_dir,
+    head_config_class,
+    load_package,
+    publish_dir,
+    verify_folder,
+    write_manifest,
+)
+from scripts.export_layouts import (
+    FORMAT_KINDS,
+    FORMATS,
+    MEDUSA_WEIGHTS,
+    WEIGHTS,
+    WEIGHTS_FILE,
+)
+
+log = logging.getLogger(__name__)
+ENGINES = ("vllm", "sglang")
+# EAGLE-1 config.json architectures per engine: vLLM renames "LlamaForCausalLM" to
+# "EagleLlamaForCausalLM" itself (configs/eagle.py); SGLang registers "LlamaForCausalLMEagle".
+EAGLE_ARCH = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja")
+_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight", "post_attention_layernorm.weight")
+
+
+class ExportError(ValueError):
+    """The draft cannot be written in the requested format without changing what it computes."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def speculative_tokens(speculation: dict | None, kind: str, head_config: Any) -> int:
+    """Draft length to advertise: K* from ``speculation.json`` when measured, else a default."""
+    for key in ("k_star", "K_star", "best_k", "num_speculative_tokens"):
+        if speculation and isinstance(speculation.get(key), int):
+            return int(speculation[key])
+    return int(getattr(head_config, "num_heads", 3)) if kind == "medusa" else 3
+
+
+def _layer_config(target_config: dict) -> dict:
+    """The target's config cut to the head's single decoder layer."""
+    cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
+    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+    cfg.pop("layer_types", None)
+    return cfg
+
+
+def eagle1_incompatibilities(pkg: DraftPackage, engine: str) -> list[str]:
+    """Why an EAGLE head would compute something else under the EAGLE-1 layout (empty = exact).
+
+    Args:
+        pkg: a loaded EAGLE draft package.
+        engine: ``vllm`` (fc without bias: a non-zero bias would be dropped) or ``sglang``.
+    """
+    head, cfg = pkg.module, pkg.head_config
+    why = []
+    if cfg.layout != "eagle1":
+        why.append(f"layout={cfg.layout}: the head was trained with an input norm, an output norm "
+                   "and an fc bias that EAGLE-1 engines do not have; retrain it with "
+                   "draft.config.layout=eagle1 to get an exportable head")
+    no_layout = ("no engine layout draftsmith can write expresses it (EAGLE-3 engines fuse the "
+                 "embedding inside attention, not in fc)")
+    if cfg.fuse_layers is not None:
+        why.append(f"fuse_layers={cfg.fuse_layers}: EAGLE-1 reads only the final hidden state "
+                   f"(fc is Linear(2H, H)) and {no_layout}; train with "
+                   "draft.config.fuse_layers=null")
+    if cfg.draft_vocab_size is not None:
+        why.append(f"draft_vocab_size={cfg.draft_vocab_size}: EAGLE-1 engines use the target's LM "
+                   f"head and have no d2t/t2d map, and {no_layout}; train with "
+                   "draft.config.draft_vocab_size=null")
+    if not isinstance(head.layer.input_layernorm, nn.Identity):
+        why.append("layer.input_layernorm: the head normalises the fused input before attention, "
+                   "but EAGLE-1 engines skip layer 0's input norm (vllm llama_eagle.py, sglang "
+                   "llama_eagle.py)")
+    if not isinstance(getattr(head, "norm", None), (nn.Identity, type(None))):
+        why.append("norm: the head normalises its output feature, but EAGLE-1 engines return "
+                   "the decoder layer's output unnormalised")
+    if engine == "vllm" and head.fc.bias is not None and bool(head.fc.bias.detach().any()):
+        why.append("fc.bias is non-zero, but vllm's EagleLlamaForCausalLM builds fc without a "
+                   "bias and would drop it (use engine=sglang, whose fc has a bias)")
+    return why
+
+
+def _refuse(why: list[str], fmt: str) -> None:
+    if why:
+        raise ExportError(f"this EAGLE head has no exact {fmt} export:\n  - " + "\n  - ".join(why)
+                          + "\nThe engines would compute different drafts; nothing was written.")
+
+
+def _ours_to_eagle1(state: dict[str, torch.Tensor], hidden: int,
+                    zero_bias: bool = False) -> dict[str, torch.Tensor]:
+    """draftsmith EAGLE names -> EAGLE-1 names; fc input order [feature, emb] -> [emb, feature].
+
+    ``zero_bias`` writes an all-zero ``fc.bias`` (H,) for a bias-free head, for loaders that always
+    build fc with a bias (SGLang) and would otherwise leave it at its random initialisation.
+    """
+    w = state["fc.weight"]  # (H, 2H) over [feature | embedding]
+    out = {"fc.weight": torch.cat([w[:, hidden:], w[:, :hidden]], dim=1).contiguous()}
+    if "fc.bias" in state:
+        out["fc.bias"] = state["fc.bias"]
+    elif zero_bias:
+        out["fc.bias"] = torch.zeros(hidden, dtype=w.dtype)
+    for key in _LAYER_KEYS:
+        out[f"layers.0.{key}"] = state[f"layer.{key}"]
+    return out
+
+
+def _eagle1_to_ours(state: dict[str, torch.Tensor], hidden: int,
+                    with_bias: bool) -> dict[str, torch.Tensor]:
+    """EAGLE-1 names -> draftsmith names, for a head whose fc has a bias iff ``with_bias``."""
+    w = state["fc.weight"]  # (H, 2H) over [embedding | feature]
+    out = {"fc.weight": torch.cat([w[:, hidden:], w[:, :hidden]], dim=1).contiguous()}
+    bias = state.get("fc.bias")
+    if with_bias:
+        out["fc.bias"] = bias if bias is not None else torch.zeros(hidden, dtype=w.dtype)
+    elif bias is not None and bool(bias.any()):
+        raise ValueError("the export's fc.bias is non-zero but its head config has no fc bias "
+                         "(layout=eagle1); the export was not written by this exporter")
+    for key in _LAYER_KEYS:
+        out[f"layer.{key}"] = state[f"layers.0.{key}"]
+    return out
+
+
+def _rename(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+
+
+def medusa_to_reference(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """``heads.{i}.blocks.{j}.linear.*`` / ``heads.{i}.lm_head.weight`` -> ``{i}.{j}.linear.*`` /
+    ``{i}.{N}.weight`` (Medusa's ``nn.Sequential`` numbering)."""
+    out = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if parts[2] == "lm_head":
+            out[f"{parts[1]}.{num_layers}.weight"] = v
+        else:  # heads.i.blocks.j.linear.{weight,bias}
+            out[f"{parts[1]}.{parts[3]}.linear.{parts[-1]}"] = v
+    return out
+
+
+def medusa_from_reference(state: dict[str, torch.Tensor],
+                          num_layers: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if parts[1] == str(num_layers):
+            out[f"heads.{parts[0]}.lm_head.weight"] = v
+        else:
+            out[f"heads.{parts[0]}.blocks.{parts[1]}.linear.{parts[-1]}"] = v
+    return out
+
+
+def _save(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    save_file({k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()},
+              str(path), metadata={"format": "pt"})
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- writers
+def _write_hf(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int, tokenizer: Any) -> None:
+    model = pkg.module.to(dtype)
+    model.generation_config.num_assistant_tokens = k
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.save_pretrained(tmp, safe_serialization=True)
+    copied = [n for n in TOKENIZER_FILES if (pkg.path / n).is_file()]
+    for name in copied:
+        shutil.copy2(pkg.path / name, tmp / name)
+    if not copied and tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+
+
+def _write_medusa(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, verifier: str) -> None:
+    cfg, ident = pkg.head_config, pkg.info["target"]
+    state = medusa_to_reference(pkg.module.state_dict(), cfg.num_layers)
+    _save(state, tmp / MEDUSA_WEIGHTS, dtype)
+    _write_json(tmp / "config.json", {
+        "architectures": ["MedusaModel"], "model_type": "medusa",
+        "medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+        "base_model_name_or_path": verifier, "hidden_size": ident["hidden_size"],
+        "vocab_size": ident["vocab_size"], "medusa_fc_bias": True,
+        "torch_dtype": str(dtype).removeprefix("torch.")})
+
+
+def _write_eagle(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, engine: str) -> None:
+    _refuse(eagle1_incompatibilities(pkg, engine), "EAGLE-1")
+    h = pkg.info["target"]["hidden_size"]
+    # SGLang's fc always has a bias: give a bias-free head an explicit zero one
+    state = _ours_to_eagle1(pkg.module.state_dict(), h, zero_bias=engine == "sglang")
+    _save(state, tmp / WEIGHTS, dtype)
+    cfg = _layer_config(pkg.info["target_config"])
+    cfg.update(architectures=[EAGLE_ARCH[engine]], bias="fc.bias" in state,
+               torch_dtype=str(dtype).removeprefix("torch."))
+    _write_json(tmp / "config.json", cfg)
+
+
+def _write_speculators(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int,
+                       verifier: str) -> None:
+    # vllm serves this format with its EAGLE-1 model, whose fc has no bias
+    _refuse(eagle1_incompatibilities(pkg, engine="vllm"), "speculators 'eagle'")
+    h = pkg.info["target"]["hidden_size"]
+    state = _rename(_rename(_ours_to_eagle1(pkg.module.state_dict(), h), "fc.", "fusion_fc."),
+                    "layers.0.", "transformer.")
+    _save(state, tmp / WEIGHTS, dtype)
+    import transformers
+    layer_cfg = _layer_config(pkg.info["target_config"])
+    _write_json(tmp / "config.json", {
+        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+        "speculators_model_type": "eagle", "speculators_version": "0.1.0",
+        "transformer_layer_architecture": "LlamaDecoderLayer",
+        "transformer_layer_config": layer_cfg, "layernorms": False,
+        "fusion_bias": "fusion_fc.bias" in state,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "transformers_version": transformers.__version__,
+        "speculators_config": {
+            "algorithm": "eagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier,
+                         "architectures": pkg.info["target_config"].get("architectures")
+                         or ["LlamaForCausalLM"]}}})
+
+
+# ----------------------------------------------------------------------------- export / import
+def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = None,
+                   engine: str = "vllm", num_speculative_tokens: int | None = None,
+                   verifier: str | None = None, dtype: torch.dtype = torch.float32,
+                   allow_unverified: bool = False) -> Path:
+    """Export a verified draft package to a serving-engine layout (written atomically).
+
+    Args:
+        draft: the draft package folder.
+        fmt: one of ``FORMATS``.
+        out: the export folder (replaced if it exists).
+        target: optional ``LoadedTarget``; checked against the package and used for the tokenizer
+            of ``hf`` exports whose package has none.
+        engine: ``vllm`` or ``sglang`` (EAGLE-1 architecture name and fc-bias support).
+        num_speculative_tokens: draft length advertised to engines; None = K* from
+            ``speculation.json`` or the family default.
+        verifier: the target's name or path as engines should load it; None = identity name.
+        dtype: weight dtype of the export.
+        allow_unverified: export a package that fails its integrity check (warns loudly).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
+    if FORMAT_KINDS[fmt] != pkg.kind:
+        ok = [f for f, kind in FORMAT_KINDS.items() if kind == pkg.kind]
+        raise ValueError(f"format={fmt} exports '{FORMAT_KINDS[fmt]}' drafts, but {draft} holds a "
+                         f"'{pkg.kind}' draft; use format={' or '.join(ok)}")
+    k = num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.kind, pkg.head_config)
+    verifier = verifier or pkg.info["target"]["name"]
+    out = Path(out)
+    tmp = fresh_tmp_dir(out)
+    try:
+        if fmt == "hf":
+            _write_hf(pkg, tmp, dtype, k, getattr(target, "tokenizer", None))
+        elif fmt == "medusa":
+            _write_medusa(pkg, tmp, dtype, verifier)
+        elif fmt == "eagle":
+            _write_eagle(pkg, tmp, dtype, engine)
+        else:
+            _write_speculators(pkg, tmp, dtype, k, verifier)
+        if pkg.speculation is not None:
+            _write_json(tmp / "speculation.json", pkg.speculation)
+        src = json.loads((pkg.path / MANIFEST).read_text()) if (pkg.path / MANIFEST).is_file() else {}
+        write_manifest(tmp, {
+            "format_version": FORMAT_VERSION, "export_format": fmt, "engine": engine,
+            "draft_kind": pkg.kind, "target": pkg.info["target"],
+            "head_config": pkg.info["head_config"], "target_config": pkg.info.get("target_config"),
+            "training_config": src.get("training_config"), "num_speculative_tokens": k,
+            "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path)})
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def import_export(path: str | Path, target: Any = None,
+                  allow_unverified: bool = False) -> DraftPackage:
+    """Load an export made by ``export_package`` back into draftsmith's heads (round trip).
+
+    Raises:
+        PackageIntegrityError: a file differs from the export's manifest.
+        TargetMismatchError: ``target`` is not the target the draft was trained for.
+    """
+    root = Path(path)
+    meta = verify_folder(root, allow_unverified)
+    fmt, kind = meta["export_format"], meta["draft_kind"]
+    if target is not None:
+        check_target(meta["target"], target.identity, where=f"{fmt} export")
+    cfg = head_config_class(kind).from_dict(meta["head_config"])
+    info = {"target": meta["target"], "target_config": meta.get("target_config")}
+    state = load_file(str(root / WEIGHTS_FILE[fmt])) if fmt != "hf" else {}
+    h = meta["target"]["hidden_size"]
+    if fmt == "hf":
+        from transformers import AutoModelForCausalLM
+        module = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
+    elif fmt == "medusa":
+        module = build_head(kind, cfg, info)
+        module.load_state_dict(medusa_from_reference(state, cfg.num_layers))
+    else:
+        if fmt == "speculators":
+            state = _rename(_rename(state, "fusion_fc.", "fc."), "transformer.", "layers.0.")
+        module = build_head(kind, cfg, info, target)  # layout=eagle1: the engines' structure
+        with_bias = module.fc.bias is not None
+        module.load_trainable_state_dict({k: v.float() for k, v in
+                                          _eagle1_to_ours(state, h, with_bias).items()})
+    module.float().eval()
+    spec = root / "speculation.json"
+    return DraftPackage(kind=kind, module=module, head_config=cfg,
+                        identity=meta["target"], path=root, info={**info, "export": meta},
+                        speculation=json.loads(spec.read_text()) if spec.is_file() else None)
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a safetensors file (without loading the data)."""
+    with safe_open(str(path), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+# ----------------------------------------------------------------------------- command line
+def _main(cfg: Any) -> Path:
+    target = None
+    if cfg.target_path is not None or cfg.check_target:
+        from data.target import load_target
+        target = load_target(cfg.target_path)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype={cfg.dtype!r}: choose float32, bfloat16 or float16")
+    out = export_package(cfg.package, cfg.format, cfg.out, target=target, engine=cfg.engine,
+                         num_speculative_tokens=cfg.num_speculative_tokens,
+                         verifier=cfg.verifier, dtype=dtype,
+                         allow_unverified=cfg.allow_unverified)
+    print(f"exported {cfg.package} as format={cfg.format} to {out}")
+    return out
+
+
+if __name__ == "__main__":
+    import hydra
+
+    # `draft` names a config group in conf/, so `draft=DIR` reaches the config as `package=DIR`
+    sys.argv[1:] = [("package=" + a[len("draft="):]) if a.startswith("draft=") else a
+                    for a in sys.argv[1:]]
+    hydra.main(config_path="../conf", config_name="export", version_base="1.3")(_main)()

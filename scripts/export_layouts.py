@@ -1,0 +1,164 @@
+"""What each export format must contain: file names, config keys, tensor names and shapes.
+
+This is the written specification the exporter follows and the tests check against. Key names
+and semantics were read from these sources (versions as stored in the public index):
+
+* ``hf``: transformers ``LlamaForCausalLM`` (``save_pretrained``; loaded by
+  ``AutoModelForCausalLM`` and used as ``assistant_model`` in ``generate``).
+* ``medusa``: FasterDecoding/Medusa ``medusa/model/medusa_model.py`` (commit 11af0aa):
+  ``medusa_head[i] = Sequential(ResBlock * N, Linear(H, V, bias=False))`` with
+  ``ResBlock.linear = Linear(H, H)`` (bias), so the state dict keys are ``{i}.{j}.linear.weight``,
+  ``{i}.{j}.linear.bias`` and ``{i}.{N}.weight``; config ``medusa_num_heads``,
+  ``medusa_num_layers``, ``base_model_name_or_path``. The weights file name
+  ``medusa_lm_head.safetensors`` is the one Medusa's training script writes and TGI /
+  TensorRT-LLM read.
+* ``eagle`` (EAGLE-1/2 layout): SafeAILab/EAGLE ``eagle/model/cnets1.py`` (commit 2174a79):
+  ``fc = Linear(2H, H, bias=True)`` applied to ``cat(embedding, feature)``; decoder layer 0 has no
+  ``input_layernorm``; no output norm; the target's LM head. Read the same way by
+  vllm-project/vllm ``vllm/model_executor/models/llama_eagle.py`` (layer 0 input norm replaced by
+  identity, ``fc`` without bias, weights ``fc.weight`` and ``layers.0.*``, architectures
+  ``LlamaForCausalLM`` renamed to ``EagleLlamaForCausalLM`` by ``EAGLEConfig``) and by
+  sgl-project/sglang ``python/sglang/srt/models/llama_eagle.py`` (``LlamaForCausalLMEagle``,
+  ``fc`` with bias). draftsmith's ``layout=eagle1`` EAGLE head has this structure with a
+  bias-free ``fc``; config ``bias`` says whether ``fc.bias`` is stored, and ``engine=sglang``
+  exports store an all-zero ``fc.bias`` since SGLang always builds one.
+* ``speculators`` (algorithm ``eagle``): vllm-project/speculators ``src/speculators/models/
+  eagle.py`` (``EagleSpeculator``: ``fusion_fc`` on ``cat(embedding, feature)``, ``transformer``
+  = one ``LlamaDecoderLayer`` whose ``input_layernorm`` is identity when ``layernorms`` is false)
+  and vllm ``vllm/transformers_utils/configs/speculators/base.py`` (``speculators_model_type``,
+  ``speculators_config.proposal_methods[0].speculative_tokens``,
+  ``speculators_config.verifier.name_or_path``, ``transformer_layer_config``).
+* EAGLE-3 (``LlamaForCausalLMEagle3`` / speculators ``eagle3``; vllm ``llama_eagle3.py``,
+  SafeAILab/EAGLE ``cnets.py``) is listed for reference: ``fc = Linear(3H, H, bias=False)`` on
+  three target layers, ``midlayer.*`` whose attention reads ``cat(input_layernorm(embedding),
+  hidden_norm(fc_out))`` (q/k/v take 2H inputs), ``norm``, ``lm_head (V_draft, H)``, ``d2t``
+  stored as offsets ``d2t[i] = target_id - i`` and ``t2d (V,) bool``. draftsmith's EAGLE head
+  fuses the embedding inside ``fc`` instead, so no exact EAGLE-3 export exists for it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+FORMATS = ("hf", "eagle", "speculators", "medusa")
+FORMAT_KINDS = {"hf": "lm", "eagle": "eagle", "speculators": "eagle", "medusa": "medusa"}
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+WEIGHTS = "model.safetensors"
+
+# Config keys each format's config.json must carry.
+REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {
+    "hf": ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "intermediate_size"),
+    "eagle": ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
+              "bias"),
+    "speculators": ("architectures", "speculators_model_type", "speculators_version",
+                    "transformer_layer_config", "layernorms", "fusion_bias",
+                    "speculators_config"),
+    "medusa": ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
+               "vocab_size", "architectures", "model_type"),
+}
+# Files each format must contain besides manifest.json.
+REQUIRED_FILES: dict[str, tuple[str, ...]] = {
+    "hf": ("config.json", "generation_config.json", WEIGHTS),
+    "eagle": ("config.json", WEIGHTS),
+    "speculators": ("config.json", WEIGHTS),
+    "medusa": ("config.json", MEDUSA_WEIGHTS),
+}
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
+    h, n = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or n
+    hd = cfg.get("head_dim") or h // n
+    return h, cfg["intermediate_size"], n, kv, hd, cfg["vocab_size"]
+
+
+def decoder_layer(prefix: str, cfg: dict[str, Any], input_norm: bool = True) -> dict[str, tuple]:
+    """Tensor shapes of one Llama decoder layer (no biases) under ``prefix``."""
+    h, inter, n, kv, hd, _ = _dims(cfg)
+    out = {
+        f"{prefix}self_attn.q_proj.weight": (n * hd, h),
+        f"{prefix}self_attn.k_proj.weight": (kv * hd, h),
+        f"{prefix}self_attn.v_proj.weight": (kv * hd, h),
+        f"{prefix}self_attn.o_proj.weight": (h, n * hd),
+        f"{prefix}mlp.gate_proj.weight": (inter, h),
+        f"{prefix}mlp.up_proj.weight": (inter, h),
+        f"{prefix}mlp.down_proj.weight": (h, inter),
+        f"{prefix}post_attention_layernorm.weight": (h,),
+    }
+    if input_norm:
+        out[f"{prefix}input_layernorm.weight"] = (h,)
+    return out
+
+
+def hf_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``format=hf``: a full ``LlamaForCausalLM`` (``lm_head`` absent when embeddings are tied)."""
+    h, *_, v = _dims(cfg)
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(cfg["num_hidden_layers"]):
+        out.update(decoder_layer(f"model.layers.{i}.", cfg))
+    if not cfg.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
+def eagle_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``format=eagle``: EAGLE-1 layout (embedding and LM head come from the target)."""
+    h = cfg["hidden_size"]
+    out = {"fc.weight": (h, 2 * h)}
+    if cfg.get("bias", True):
+        out["fc.bias"] = (h,)
+    out.update(decoder_layer("layers.0.", cfg, input_norm=False))
+    return out
+
+
+def speculators_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``format=speculators``: ``EagleSpeculator`` with ``layernorms: false``."""
+    layer_cfg = cfg["transformer_layer_config"]
+    h = layer_cfg["hidden_size"]
+    out = {"fusion_fc.weight": (h, 2 * h)}
+    if cfg.get("fusion_bias", False):
+        out["fusion_fc.bias"] = (h,)
+    out.update(decoder_layer("transformer.", layer_cfg, input_norm=False))
+    return out
+
+
+def medusa_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``format=medusa``: head i = ``{i}.{j}.linear`` residual blocks then ``{i}.{N}`` LM head."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    n_layers = cfg["medusa_num_layers"]
+    out: dict[str, tuple] = {}
+    for i in range(cfg["medusa_num_heads"]):
+        for j in range(n_layers):
+            out[f"{i}.{j}.linear.weight"] = (h, h)
+            out[f"{i}.{j}.linear.bias"] = (h,)
+        out[f"{i}.{n_layers}.weight"] = (v, h)
+    return out
+
+
+EXPECTED_TENSORS = {"hf": hf_tensors, "eagle": eagle_tensors,
+                    "speculators": speculators_tensors, "medusa": medusa_tensors}
+WEIGHTS_FILE = {"hf": WEIGHTS, "eagle": WEIGHTS, "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS}
+
+
+def layout_problems(fmt: str, config: dict[str, Any], shapes: dict[str, tuple]) -> list[str]:
+    """Differences between an export's config/tensors and the written layout (empty = conforms).
+
+    Args:
+        fmt: one of ``FORMATS``.
+        config: the export's ``config.json``.
+        shapes: tensor name -> shape read from its weights file.
+    """
+    problems = [f"config.json lacks '{k}'" for k in REQUIRED_CONFIG[fmt] if k not in config]
+    if problems:
+        return problems
+    want = EXPECTED_TENSORS[fmt](config)
+    for name in sorted(set(want) - set(shapes)):
+        problems.append(f"tensor '{name}' is missing (expected shape {want[name]})")
+    for name in sorted(set(shapes) - set(want)):
+        problems.append(f"tensor '{name}' is not part of the {fmt} layout")
+    for name in sorted(set(want) & set(shapes)):
+        if tuple(shapes[name]) != tuple(want[name]):
+            problems.append(f"tensor '{name}' has shape {tuple(shapes[name])}, the layout says "
+                            f"{tuple(want[name])}")
+    return problems

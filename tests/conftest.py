@@ -1,0 +1,62 @@
+"""Shared test fixtures: tiny random Llama targets built in-process (no downloads)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
+
+
+def tiny_llama_config(vocab: int = 96, hidden: int = 32, layers: int = 2, heads: int = 4,
+                      kv: int = 2, **kw) -> LlamaConfig:
+    """A tiny Llama config for unit tests (same architecture family as the real target)."""
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                       max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+
+
+def tiny_llama(seed: int = 0, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**kw)).eval()
+
+
+@dataclass
+class _TinyLoaded:
+    model: LlamaForCausalLM
+    tokenizer: object
+    identity: object
+    path: Path | None = None
+
+
+def make_tiny_target(seed: int = 0, name: str = "tiny", **kw):
+    """A LoadedTarget-like object around a tiny random Llama with a fake identity."""
+    from data.target import TargetIdentity
+
+    model = tiny_llama(seed=seed, **kw)
+    cfg = model.config
+    ident = TargetIdentity(name=name, weights_sha256=f"{name}-{seed}-weights",
+                           tokenizer_sha256=f"{name}-tok", vocab_size=cfg.vocab_size,
+                           hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers)
+    return _TinyLoaded(model=model, tokenizer=None, identity=ident)
+
+
+@pytest.fixture
+def tiny_target():
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def real_target():
+    """The real SmolLM2-135M-Instruct target (converted once, then read from the cache)."""
+    from data.target import load_target
+
+    return load_target()

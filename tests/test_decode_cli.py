@@ -1,0 +1,200 @@
+"""eval/decode.py and eval/measure.py end to end on a tiny target saved with a chat tokenizer."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_chat import make_char_tokenizer
+
+from data.target import load_target
+from eval import decode, measure
+from eval.report import parse_costs
+from heads.draft_lm import DraftLMConfig, build_draft_lm
+from heads.eagle import EagleConfig, build_eagle
+from heads.medusa import MedusaConfig, build_medusa
+from heads.package import PackageIntegrityError, load_package, save_package, update_package_json
+from scripts.export import export_package
+
+REPO = Path(__file__).resolve().parents[1]
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a short poem.", "Again."]},
+    {"question_id": 82, "category": "math", "turns": ["What is 12 plus 30?"]},
+    {"question_id": 83, "category": "coding", "turns": ["Print hello in code."]},
+]
+SUMMARY_KEYS = {"tokens_generated", "target_forwards", "tau", "acceptance_rate", "alpha",
+                "alpha_cumulative", "draft_time_s", "verify_time_s", "wall_time_s", "tokens_per_s",
+                "speedup", "k", "k_source", "draft_kind", "lossless", "device", "dtype"}
+SAMPLE_KEYS = {"id", "category", "prompt_ids", "output_ids", "output_text", "tau"}
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return module.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target dir (weights + chat tokenizer), a question file and a draft LM package."""
+    root = tmp_path_factory.mktemp("decode_cli")
+    target_dir = root / "target"
+    tiny_llama(seed=0).save_pretrained(target_dir)
+    make_char_tokenizer().save_pretrained(target_dir)
+    loaded = load_target(target_dir)
+    questions = root / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    cfg = DraftLMConfig.matching(loaded.model.config, 1, init="target")
+    draft = _randomize(build_draft_lm(cfg, loaded.model), seed=1)  # partly agrees with the target
+    pkg = save_package(root / "lm", "lm", draft, cfg, loaded.identity, tokenizer=loaded.tokenizer)
+    return {"root": root, "target": target_dir, "loaded": loaded, "questions": questions, "lm": pkg}
+
+
+def _decode(setup, draft, *extra: str) -> dict:
+    return decode.run_overrides([f"draft={draft}", f"target_path={setup['target']}",
+                                 f"prompts={setup['questions']}", "max_new_tokens=12",
+                                 "temperature=0", *extra])
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_cli_writes_the_json_contract_and_greedy_equals_plain_decoding(setup):
+    out = setup["root"] / "run.json"
+    proc = subprocess.run([sys.executable, str(REPO / "eval" / "decode.py"), f"draft={setup['lm']}",
+                           f"target_path={setup['target']}", f"prompts={setup['questions']}",
+                           "limit=2", "max_new_tokens=12", "temperature=0", "k=3", f"out={out}"],
+                          check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    summary, samples = result["summary"], result["samples"]
+    assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
+    assert summary["draft_kind"] == "lm" and summary["k"] == 3 and summary["k_source"] == "config"
+    assert summary["lossless"] is True and summary["dtype"] == "float32"
+    assert summary["device"] == "cpu" and summary["speedup"] > 0
+    assert summary["tokens_generated"] == sum(len(s["output_ids"]) for s in samples)
+    assert summary["target_forwards"] >= len(samples)
+    assert len(samples) == 2 and all(SAMPLE_KEYS <= set(s) for s in samples)
+    tok, model = setup["loaded"].tokenizer, setup["loaded"].model
+    for s, q in zip(samples, QUESTIONS):
+        assert s["id"] == str(q["question_id"]) and s["category"] == q["category"]
+        chat = [{"role": "user", "content": q["turns"][0]}]
+        assert s["prompt_ids"] == list(tok.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True)["input_ids"])
+        assert tok.decode(s["prompt_ids"]).endswith("<|im_start|>assistant\n")
+        assert s["output_ids"] == _hf_greedy(model, s["prompt_ids"], 12)
+        assert s["output_text"] == tok.decode(s["output_ids"], skip_special_tokens=True)
+    assert "k (source)" in proc.stdout  # the printed summary table
+
+
+def test_default_k_without_speculation_json_is_four(setup):
+    summary = _decode(setup, setup["lm"], "limit=1", "baseline=false")["summary"]
+    assert (summary["k"], summary["k_source"]) == (4, "default")
+
+
+def test_measure_writes_a_verified_speculation_json_that_decode_uses(setup, tmp_path):
+    pkg = tmp_path / "lm"
+    import shutil
+    shutil.copytree(setup["lm"], pkg)
+    rec = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
+                                 f"prompts={setup['questions']}", "limit=2", "max_new_tokens=10",
+                                 "temperature=0", "k_measure=3", "repeats=2"])
+    on_disk = json.loads((pkg / "speculation.json").read_text())
+    assert on_disk == json.loads(json.dumps(rec))
+    loaded = load_package(pkg)  # manifest still verifies
+    assert loaded.speculation["k_star"] == rec["k_star"] in range(4)
+    assert len(rec["alpha"]) == 3 and all(0 <= a <= 1 for a in rec["alpha"])
+    assert set(rec["expected_speedup"]) == {"0", "1", "2", "3"}
+    costs = rec["costs"]
+    assert set(costs["t_verify"]) == {"0", "1", "2", "3"} and costs["t_ar"] > 0
+    assert costs["t_draft"] > 0 and costs["t_ar"] == costs["t_verify"]["0"]
+    t_ar, t_draft, t_verify = parse_costs(costs)  # the report reads this shape
+    assert (t_ar, t_draft, t_verify[3]) == (costs["t_ar"], costs["t_draft"], costs["t_verify"]["3"])
+    assert rec["hardware"]["cpu"] and rec["dtype"] == "float32" and rec["date"]
+    assert {"torch", "transformers"} <= set(rec["versions"])
+    m = rec["measured_speedup"]
+    assert m["k"] == rec["k_star"]
+    if rec["k_star"]:
+        assert m["speedup"] > 0 and m["tokens"] > 0
+    summary = _decode(setup, pkg, "limit=1", "baseline=false")["summary"]
+    assert (summary["k"], summary["k_source"]) == (rec["k_star"], "speculation.json")
+    update_package_json(pkg, "speculation.json", {**on_disk, "k_star": 2})  # whatever K* says
+    summary = _decode(setup, pkg, "limit=1", "baseline=false")["summary"]
+    assert (summary["k"], summary["k_source"]) == (2, "speculation.json")
+    (pkg / "speculation.json").write_text(json.dumps({**on_disk, "k_star": 5}))  # not via update
+    with pytest.raises(PackageIntegrityError, match="speculation.json"):
+        _decode(setup, pkg, "limit=1")
+
+
+def _draft_package(setup, kind: str) -> tuple[Path, str]:
+    model, ident = setup["loaded"].model, setup["loaded"].identity
+    if kind == "lm":
+        return setup["lm"], "hf"
+    if kind == "medusa":
+        cfg = MedusaConfig(num_heads=3, num_layers=1)
+        module, fmt = _randomize(build_medusa(cfg, model), seed=2), "medusa"
+    else:
+        cfg = EagleConfig()
+        module, fmt = _randomize(build_eagle(cfg, model), seed=3), "eagle"
+    return save_package(setup["root"] / kind, kind, module, cfg, ident), fmt
+
+
+@pytest.mark.parametrize("kind", ["lm", "medusa", "eagle"])
+def test_an_export_decodes_like_its_package(setup, kind):
+    pkg, fmt = _draft_package(setup, kind)
+    out = export_package(pkg, fmt, setup["root"] / f"export-{kind}", target=setup["loaded"])
+    runs = [_decode(setup, d, "k=3", "adaptive_k=false", "fallback=false", "baseline=false",
+                    "tree_topk=3", "tree_size=10") for d in (pkg, out)]
+    a, b = runs
+    assert a["summary"]["drafted"] > 0  # the draft really proposed
+    assert a["summary"]["draft_kind"] == b["summary"]["draft_kind"]
+    assert [s["output_ids"] for s in a["samples"]] == [s["output_ids"] for s in b["samples"]]
+    assert [s["tau"] for s in a["samples"]] == [s["tau"] for s in b["samples"]]
+    assert a["summary"]["alpha"] == b["summary"]["alpha"]
+    assert a["summary"]["target_forwards"] == b["summary"]["target_forwards"]
+
+
+def test_bad_draft_and_prompts_are_clear_errors(setup, tmp_path):
+    with pytest.raises(ValueError, match="not a draft package"):
+        _decode(setup, tmp_path)
+    with pytest.raises(ValueError, match="unknown prompt set"):
+        decode.run_overrides([f"target_path={setup['target']}", "prompts=nosuchset"])
+    with pytest.raises(ValueError, match="needs draft=DIR"):
+        measure.run_overrides([f"target_path={setup['target']}", "draft=none"])
+
+
+def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from scripts import bench
+
+    cfg = OmegaConf.merge(OmegaConf.load(bench.CONF_FILE), {
+        "questions": str(setup["questions"]), "limit": 2, "max_new_tokens": 6,
+        "temperatures": [0.0, 1.0], "lm": str(setup["lm"]), "eagle": str(tmp_path / "missing"),
+        "k": 2, "target_path": str(setup["target"]), "out_dir": str(tmp_path / "bench"),
+        "train": {"enabled": False}})
+    res = bench.run(cfg)
+    assert "no medusa= package given" in capsys.readouterr().out
+    methods = {(r["temperature"], r["method"]) for r in res["decoding"]}
+    expected = {"plain (ours)", "hf_generate", "hf_assisted", "hf_prompt_lookup", "ours lm"}
+    assert methods == {(t, m) for t in (0.0, 1.0) for m in expected}
+    greedy = {r["method"]: r for r in res["decoding"] if r["temperature"] == 0.0}
+    assert greedy["plain (ours)"]["speedup_vs_plain"] == 1.0
+    assert greedy["ours lm"]["k"] == 2 and greedy["hf_assisted"]["k"] == 2
+    assert all(r["median_tokens_per_s"] > 0 for r in res["decoding"])
+    assert all(r["same_as_plain"] == 1.0 for r in greedy.values())  # greedy is lossless
+    on_disk = json.loads((tmp_path / "bench" / "results.json").read_text())
+    assert on_disk["n_prompts"] == 2 and on_disk["environment"]["hardware"]["cpu"]
+    md = (tmp_path / "bench" / "results.md").read_text()
+    assert "| 0 | ours lm | 2 (config) |" in md and "command:" in md

@@ -1,0 +1,183 @@
+"""The distillation recipe end to end on a tiny random target with the real tokenizer.
+
+Fast tests run the recipe in-process; the multi-process ones (DDP, DeepSpeed ZeRO-2) and the
+SIGKILL resume launch ``accelerate launch train/distill.py`` for real and are marked ``slow``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+TINY = ["debug=tiny", "data=sharegpt_tiny", "data.num_conversations=24", "data.max_length=96",
+        "logging=none"]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="distill", overrides=overrides)
+
+
+def _run_inprocess(overrides: list[str]) -> dict:
+    from accelerate.state import AcceleratorState
+
+    from train.distill import run
+
+    AcceleratorState._reset_state(True)
+    try:
+        return run(_compose(overrides))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+def _launch(args: list[str], out_dir: Path, overrides: list[str], port: int,
+            check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [ACCELERATE, "launch", *args, "--main_process_port", str(port), "train/distill.py",
+           *overrides, f"out_dir={out_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    pkg = out_dir / "draft"
+    files = sorted(pkg.glob("*.safetensors"))
+    assert files, f"no weights in {pkg}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_same(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((x - b[k]).abs().max().item() for k, x in a.items())
+    assert worst <= atol, f"weights differ by {worst:.3g} > {atol}"
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """Build the tiny target and its feature cache once (later runs reuse them)."""
+    out = tmp_path_factory.mktemp("warm")
+    _run_inprocess(TINY + ["draft=medusa", "train.max_steps=1", f"out_dir={out}"])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["lm", "medusa", "eagle"])
+def test_each_family_learns(kind, warm_cache, tmp_path):
+    out = tmp_path / kind
+    summary = _run_inprocess(TINY + [f"draft={kind}", "train.max_steps=30", "train.eval_every=30",
+                                     "train.save_every=30", "optim.lr=3e-3", f"out_dir={out}"])
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, f"loss did not decrease: {losses}"
+    init, final = summary["alpha_hat_init"], summary["alpha_hat"]
+    assert final[0] > init[0] + 0.02, f"alpha-hat did not improve: {init} -> {final}"
+    assert (out / "draft" / "manifest.json").is_file()
+    from heads.package import load_package
+
+    pkg = load_package(out / "draft")
+    assert pkg.kind == kind
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(warm_cache, tmp_path):
+    from train.checkpoint import latest_checkpoint
+    from train.distill import NonFiniteLossError
+
+    out = tmp_path / "nan"
+    # An absurd learning rate blows the weights up after the first update: the next loss is
+    # not finite and the run must stop before touching the weights again.
+    with pytest.raises(NonFiniteLossError, match=r"at step \d+.*last good checkpoint"):
+        _run_inprocess(TINY + ["draft=medusa", "train.max_steps=20", "train.save_every=1",
+                               "optim.lr=1e30", "optim.warmup_steps=0", "train.max_grad_norm=0",
+                               f"out_dir={out}"])
+    last = latest_checkpoint(out)
+    assert last is not None, "the checkpoint written before the failure is gone"
+    state = load_file(str(last / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in state.values())
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+
+def test_bad_config_fails_before_work(tmp_path):
+    from train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.lr"):
+        _run_inprocess(TINY + ["optim.lr=-1", f"out_dir={tmp_path}"])
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted(warm_cache, tmp_path):
+    common = TINY + ["draft=eagle", "train.max_steps=8", "train.save_every=3", "train.eval_every=8",
+                     "seed=3"]
+    ref = tmp_path / "ref"
+    _launch(["--config_file", "conf/accelerate/single.yaml"], ref, common, port=29611)
+
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "train/distill.py", *common, f"out_dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (run / "checkpoints" / "step-000003" / "trainer_state.json").exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "draft").exists(), "killed too late: the run had already finished"
+
+    _launch(["--config_file", "conf/accelerate/single.yaml"], run, common, port=29612)
+    log = (run / "train_log.jsonl").read_text()
+    assert '"step": 8' in log
+    _assert_same(_weights(run), _weights(ref), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_ddp_and_zero2_match_one_process(warm_cache, tmp_path):
+    # Same global batch (4 sequences) everywhere; the EAGLE head without feature noise so the
+    # update is a deterministic function of the data.
+    common = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=3",
+                     "train.eval_every=3", "train.save_every=3", "seed=1"]
+    one = tmp_path / "one"
+    _launch(["--config_file", "conf/accelerate/single.yaml"], one, common + ["train.micro_batch_size=4"],
+            port=29621)
+    ddp = tmp_path / "ddp"
+    _launch(["--config_file", "conf/accelerate/ddp.yaml"], ddp,
+            common + ["launcher=ddp", "train.micro_batch_size=2"], port=29622)
+    zero2 = tmp_path / "zero2"
+    _launch(["--config_file", "conf/accelerate/deepspeed_zero2.yaml"], zero2,
+            common + ["launcher=deepspeed_zero2", "train.micro_batch_size=2"], port=29623)
+
+    s_ddp = json.loads((ddp / "summary.json").read_text())
+    s_zero = json.loads((zero2 / "summary.json").read_text())
+    assert (s_ddp["distributed_type"], s_ddp["num_processes"]) == ("MULTI_CPU", 2)
+    assert (s_zero["distributed_type"], s_zero["num_processes"]) == ("DEEPSPEED", 2)
+    for s in (s_ddp, s_zero):
+        fp = s["rank_batch_fingerprints"]
+        assert len(fp) == 2 and fp[0] != fp[1], f"ranks saw the same data: {fp}"
+    ref = _weights(one)
+    _assert_same(_weights(ddp), ref, atol=1e-5)
+    _assert_same(_weights(zero2), ref, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_launcher_mismatch_is_refused(tmp_path):
+    proc = _launch(["--config_file", "conf/accelerate/single.yaml"], tmp_path,
+                   TINY + ["launcher=ddp"], port=29631, check=False)
+    assert proc.returncode != 0
+    assert "launcher=ddp expects distributed type" in proc.stderr + proc.stdout

@@ -1,0 +1,303 @@
+"""Exports for serving engines: written layouts, round trips, refusals."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from heads.draft_lm import DraftLMConfig, build_draft_lm
+from heads.eagle import EagleConfig, build_eagle
+from heads.medusa import MedusaConfig, build_medusa
+from heads.package import MANIFEST, PackageIntegrityError, TargetMismatchError, save_package
+from scripts import export
+from scripts.export import ExportError, export_package, import_export, tensor_shapes
+from scripts.export_layouts import REQUIRED_FILES, WEIGHTS_FILE, layout_problems
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return module.eval()
+
+
+def _conforms(out: Path, fmt: str) -> None:
+    for name in REQUIRED_FILES[fmt] + (MANIFEST,):
+        assert (out / name).is_file(), f"{fmt} export lacks {name}"
+    config = json.loads((out / "config.json").read_text())
+    assert layout_problems(fmt, config, tensor_shapes(out / WEIGHTS_FILE[fmt])) == []
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
+
+
+@pytest.fixture
+def lm_package(tmp_path):
+    target = make_tiny_target()
+    cfg = DraftLMConfig.matching(target.model.config, 1, init="random")
+    draft = _randomize(build_draft_lm(cfg, target.model))
+    pkg = save_package(tmp_path / "lm", "lm", draft, cfg, target.identity,
+                       extra_json={"speculation": {"k_star": 4}}, train_config={"seed": 3})
+    return target, draft, pkg
+
+
+def test_hf_export_is_an_assistant_model_and_round_trips(lm_package, tmp_path):
+    target, draft, pkg = lm_package
+    out = export_package(pkg, "hf", tmp_path / "hf", target=target)
+    _conforms(out, "hf")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["draft_kind"] == "lm" and manifest["training_config"] == {"seed": 3}
+    assert json.loads((out / "speculation.json").read_text()) == {"k_star": 4}
+    assistant = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert assistant.generation_config.num_assistant_tokens == 4  # K* from speculation.json
+    ids = torch.randint(3, target.model.config.vocab_size, (1, 6))
+    torch.testing.assert_close(assistant(ids).logits, draft(ids).logits, rtol=0, atol=0)
+    plain = target.model.generate(ids, max_new_tokens=12, do_sample=False)
+    assisted = target.model.generate(ids, max_new_tokens=12, do_sample=False,
+                                     assistant_model=assistant)
+    assert torch.equal(plain, assisted)  # greedy speculative decoding is lossless
+    back = import_export(out, target=target)
+    torch.testing.assert_close(back.module(ids).logits, draft(ids).logits, rtol=0, atol=0)
+
+
+def test_medusa_export_layout_and_round_trip(tmp_path):
+    target = make_tiny_target()
+    cfg = MedusaConfig(num_heads=3, num_layers=2)
+    heads = _randomize(build_medusa(cfg, target.model))
+    pkg = save_package(tmp_path / "pkg", "medusa", heads, cfg, target.identity)
+    out = export_package(pkg, "medusa", tmp_path / "medusa", verifier="org/tiny")
+    _conforms(out, "medusa")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 2)
+    assert config["base_model_name_or_path"] == "org/tiny"
+    shapes = tensor_shapes(out / "medusa_lm_head.safetensors")
+    h, v = target.model.config.hidden_size, target.model.config.vocab_size
+    assert shapes["2.1.linear.weight"] == (h, h) and shapes["2.2.weight"] == (v, h)
+    # reference semantics: head i = Sequential(ResBlock x N, Linear(H, V)) on the hidden state
+    from safetensors.torch import load_file
+    w = load_file(str(out / "medusa_lm_head.safetensors"))
+    hidden = torch.randn(2, 4, h)
+    x = hidden
+    for j in range(2):
+        x = x + torch.nn.functional.silu(x @ w[f"1.{j}.linear.weight"].T + w[f"1.{j}.linear.bias"])
+    torch.testing.assert_close(x @ w["1.2.weight"].T, heads(hidden)[:, :, 1], rtol=1e-5,
+                               atol=1e-5)
+    back = import_export(out)
+    torch.testing.assert_close(back.module(hidden), heads(hidden), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt,engine", [("eagle", "vllm"), ("eagle", "sglang"),
+                                        ("speculators", "vllm")])
+def test_normed_eagle_head_is_refused_naming_the_fix(tmp_path, fmt, engine):
+    target = make_tiny_target()
+    cfg = EagleConfig(layout="normed")
+    pkg = save_package(tmp_path / "pkg", "eagle", build_eagle(cfg, target.model), cfg,
+                       target.identity)
+    with pytest.raises(ExportError) as err:
+        export_package(pkg, fmt, tmp_path / fmt, engine=engine)
+    msg = str(err.value)
+    assert "layout=normed" in msg and "draft.config.layout=eagle1" in msg
+    assert "layer.input_layernorm" in msg and "norm: the head normalises its output" in msg
+    # vllm (which also serves the speculators format) builds fc without a bias
+    assert ("fc.bias is non-zero" in msg) == (engine == "vllm")
+    assert not (tmp_path / fmt).exists()
+
+
+@pytest.mark.parametrize("cfg,what", [(EagleConfig(fuse_layers=[0, 2]), "fuse_layers=[0, 2]"),
+                                      (EagleConfig(draft_vocab_size=40), "draft_vocab_size=40")])
+def test_eagle1_head_beyond_any_engine_layout_is_refused(tmp_path, cfg, what):
+    target = make_tiny_target()
+    counts = torch.arange(target.model.config.vocab_size, dtype=torch.float)
+    head = build_eagle(cfg, target.model, token_counts=counts)
+    assert cfg.layout == "eagle1"
+    pkg = save_package(tmp_path / "pkg", "eagle", head, cfg, target.identity)
+    for fmt in ("eagle", "speculators"):
+        with pytest.raises(ExportError) as err:
+            export_package(pkg, fmt, tmp_path / fmt)
+        msg = str(err.value)
+        assert what in msg and "no engine layout" in msg and "layout=normed" not in msg
+        assert not (tmp_path / fmt).exists()
+
+
+def _eagle1_head(target, seed=0):
+    """A layout=eagle1 head with random (non-trivial) trainable weights."""
+    head = build_eagle(EagleConfig(), target.model)
+    _randomize(head, seed)
+    head.attach_target(target.model)  # frozen parts back to the target's
+    return head.eval()
+
+
+def _engine_eagle1(tensors: dict, fc_prefix: str, layer_prefix: str, tc: LlamaConfig,
+                   target_model, feats, ids):
+    """What EAGLE-1 engines compute from an export: fc(cat(emb, feat)); layer without input
+    norm; no output norm; the target's embedding and LM head."""
+    cfg = LlamaConfig(**{**tc.to_dict(), "num_hidden_layers": 1})
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    layer.input_layernorm = nn.Identity()
+    layer.load_state_dict({k[len(layer_prefix):]: v for k, v in tensors.items()
+                           if k.startswith(layer_prefix)})
+    emb = target_model.get_input_embeddings()(ids)
+    x = torch.cat([emb, feats], -1) @ tensors[f"{fc_prefix}weight"].T
+    x = x + tensors.get(f"{fc_prefix}bias", 0)
+    pos = torch.arange(ids.shape[1])[None]
+    causal = torch.full((ids.shape[1],) * 2, torch.finfo(x.dtype).min).triu(1)[None, None]
+    out = layer(x, attention_mask=causal, position_ids=pos,
+                position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos))
+    out = out[0] if isinstance(out, tuple) else out
+    return target_model.get_output_embeddings()(out)
+
+
+@pytest.mark.parametrize("fmt,engine,fc_prefix,layer_prefix", [
+    ("eagle", "vllm", "fc.", "layers.0."), ("eagle", "sglang", "fc.", "layers.0."),
+    ("speculators", "vllm", "fusion_fc.", "transformer.")])
+def test_eagle1_head_exports_exactly(tmp_path, fmt, engine, fc_prefix, layer_prefix):
+    from safetensors.torch import load_file
+    target = make_tiny_target()
+    tc = target.model.config
+    head = _eagle1_head(target)
+    pkg = save_package(tmp_path / "pkg", "eagle", head, EagleConfig(), target.identity,
+                       extra_json={"speculation": {"k_star": 5}})
+    out = export_package(pkg, fmt, tmp_path / fmt, engine=engine)
+    _conforms(out, fmt)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    if fmt == "eagle":
+        assert config["architectures"] == [export.EAGLE_ARCH[engine]]
+        # sglang always builds fc with a bias: it gets an explicit zero one; vllm gets none
+        assert config["bias"] == (engine == "sglang") == ("fc.bias" in tensors)
+        if engine == "sglang":
+            assert not tensors["fc.bias"].any()
+    else:
+        assert config["speculators_model_type"] == "eagle" and config["fusion_bias"] is False
+        method = config["speculators_config"]["proposal_methods"][0]
+        assert method["speculative_tokens"] == 5
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    feats = torch.randn(2, 6, tc.hidden_size)
+    ids = torch.randint(0, tc.vocab_size, (2, 6))
+    ours = head.compute_logits(head(feats, ids))
+    engine_logits = _engine_eagle1(tensors, fc_prefix, layer_prefix, tc, target.model, feats, ids)
+    torch.testing.assert_close(engine_logits, ours, rtol=1e-4, atol=1e-5)
+    back = import_export(out, target=target)
+    torch.testing.assert_close(back.module.compute_logits(back.module(feats, ids)), ours,
+                               rtol=0, atol=0)
+
+
+def test_engine_forward_tells_the_layouts_apart(tmp_path):
+    """The engine-style forward is a real check: a normed head's weights, read by it, differ."""
+    target = make_tiny_target()
+    tc = target.model.config
+    normed = _randomize(build_eagle(EagleConfig(layout="normed"), target.model))
+    normed.attach_target(target.model)
+    state = export._ours_to_eagle1(normed.state_dict(), tc.hidden_size)
+    feats = torch.randn(2, 6, tc.hidden_size)
+    ids = torch.randint(0, tc.vocab_size, (2, 6))
+    engine_logits = _engine_eagle1(state, "fc.", "layers.0.", tc, target.model, feats, ids)
+    ours = normed.compute_logits(normed(feats, ids))
+    assert not torch.allclose(engine_logits, ours, rtol=1e-2, atol=1e-2)
+
+
+def test_trained_eagle1_head_exports_and_engines_match_it(tmp_path):
+    from safetensors.torch import load_file
+
+    from heads.eagle import distill_targets
+    torch.manual_seed(0)
+    target = make_tiny_target()
+    tc = target.model.config
+    cfg = EagleConfig(ttt_steps=2)
+    head = build_eagle(cfg, target.model)
+    before = {k: v.clone() for k, v in head.trainable_state_dict().items()}
+    ids = torch.randint(3, tc.vocab_size, (4, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = target.model.model(ids).last_hidden_state  # (B, T, H) LM-head input
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    lm_w = target.model.get_output_embeddings().weight
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+
+    def loss_fn() -> torch.Tensor:
+        total = torch.zeros(())
+        for tgt in distill_targets(head, ids, hidden, loss_mask):
+            log_p = torch.log_softmax(tgt.teacher_hidden @ lm_w.T, -1)  # (B, T, V)
+            log_q = torch.log_softmax(tgt.draft_logits, -1)
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, T)
+            total = total + (kl * tgt.mask).sum() / tgt.mask.sum()
+        return total
+
+    losses = []
+    for _ in range(12):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]  # it trained
+    after = head.trainable_state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in after)  # every trainable tensor moved
+    head.eval()
+    pkg = save_package(tmp_path / "pkg", "eagle", head, cfg, target.identity)
+    out = export_package(pkg, "eagle", tmp_path / "eagle", target=target)
+    _conforms(out, "eagle")
+    feats = hidden[:, :-1]
+    nxt = ids[:, 1:]  # feature f_t pairs with token x_{t+1}
+    with torch.no_grad():
+        ours = head.compute_logits(head(feats, nxt))
+        engine_logits = _engine_eagle1(load_file(str(out / "model.safetensors")), "fc.",
+                                       "layers.0.", tc, target.model, feats, nxt)
+    torch.testing.assert_close(engine_logits, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_export_refusals(lm_package, tmp_path):
+    _, _, pkg = lm_package
+    with pytest.raises(ValueError, match=r"format=medusa exports 'medusa' drafts.*format=hf"):
+        export_package(pkg, "medusa", tmp_path / "x")
+    with pytest.raises(TargetMismatchError, match="weights_sha256"):
+        export_package(pkg, "hf", tmp_path / "x", target=make_tiny_target(seed=5))
+    out = export_package(pkg, "hf", tmp_path / "hf")
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 1
+    (out / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(PackageIntegrityError, match=r"'model\.safetensors' was modified"):
+        import_export(out)
+    with pytest.raises(TargetMismatchError, match="weights_sha256"):
+        import_export(out, target=make_tiny_target(seed=5), allow_unverified=True)
+
+
+def test_command_line(lm_package, tmp_path):
+    _, _, pkg = lm_package
+    out = tmp_path / "cli"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), f"draft={pkg}",
+                           "format=hf", f"out={out}"], check=False, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _conforms(out, "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli", "lm"]  # nothing else written
+
+
+def test_medusa_export_round_trip_gives_identical_greedy_decoding(tmp_path):
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import MedusaProposer
+
+    target = make_tiny_target()
+    cfg = MedusaConfig(num_heads=3, num_layers=1)
+    heads = _randomize(build_medusa(cfg, target.model))
+    pkg = save_package(tmp_path / "pkg", "medusa", heads, cfg, target.identity)
+    back = import_export(export_package(pkg, "medusa", tmp_path / "medusa"))
+    vocab = target.model.config.vocab_size
+    prompt = torch.randint(3, vocab, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    results = []
+    for module in (heads, back.module):
+        decoder = SpeculativeDecoder(target.model, MedusaProposer(module, vocab), k=3,
+                                     adaptive=False, fallback=False)
+        results.append(decoder.generate(prompt, max_new_tokens=16))
+    assert results[0].output_ids == results[1].output_ids
+    assert results[0].stats.accepted_at == results[1].stats.accepted_at  # same proposals accepted
+    assert results[0].stats.drafted == results[1].stats.drafted > 0

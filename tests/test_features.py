@@ -1,0 +1,233 @@
+"""Target-feature cache: contents, resume after a kill, idempotence, refusal to mix targets."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_target
+
+from data.features import (
+    FeatureCacheError,
+    FeatureDataset,
+    build_feature_cache,
+    collate_features,
+    read_manifest,
+    teacher_logits,
+    verify_cache,
+)
+from data.target import TargetMismatchError
+
+
+def make_rows(n: int = 11, vocab: int = 96, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        t = 3 + (i * 7) % 17
+        ids = torch.randint(3, vocab, (t,), generator=g).tolist()
+        mask = [k >= t // 2 for k in range(t)]
+        rows.append({"input_ids": ids, "loss_mask": mask})
+    return rows
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_cache_holds_the_targets_final_hidden_states_and_layers(tmp_path, tiny_target):
+    rows = make_rows()
+    man = build_feature_cache(tiny_target, rows, tmp_path, layers=[0, 2], batch_size=4,
+                              shard_size=4, progress=False)
+    assert [s["sequences"] for s in man["shards"]] == [4, 4, 3]
+    assert man["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert man["target"] == tiny_target.identity.to_dict() and man["layers"] == [0, 2]
+    assert man["bytes_per_token"] == 32 * 2 * 3 + 5
+    verify_cache(tmp_path)
+    ds = FeatureDataset(tmp_path, target=tiny_target.identity)
+    assert len(ds) == len(rows)
+    model = tiny_target.model
+    for i in (0, 5, 10):
+        item = ds[i]
+        ids = torch.tensor([rows[i]["input_ids"]])
+        with torch.no_grad():
+            out = model.model(ids, output_hidden_states=True)
+        assert item["input_ids"].tolist() == rows[i]["input_ids"]
+        assert item["loss_mask"].tolist() == rows[i]["loss_mask"]
+        assert item["hidden"].dtype == torch.float16
+        torch.testing.assert_close(item["hidden"].float(), out.last_hidden_state[0],
+                                   atol=2e-3, rtol=2e-3)
+        assert item["layers"].shape == (2, len(rows[i]["input_ids"]), 32)
+        torch.testing.assert_close(item["layers"][1].float(), out.hidden_states[2][0],
+                                   atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(item["layers"][0].float(), out.hidden_states[0][0],
+                                   atol=2e-3, rtol=2e-3)
+
+
+def test_collate_pads_to_the_longest(tmp_path, tiny_target):
+    rows = make_rows(5)
+    build_feature_cache(tiny_target, rows, tmp_path, layers=[1], progress=False)
+    ds = FeatureDataset(tmp_path)
+    batch = collate_features([ds[0], ds[3]], pad_id=0)
+    lens = [len(rows[0]["input_ids"]), len(rows[3]["input_ids"])]
+    T = max(lens)
+    assert batch["input_ids"].shape == (2, T) and batch["hidden"].shape == (2, T, 32)
+    assert batch["layers"].shape == (2, 1, T, 32)
+    assert batch["attention_mask"].sum(1).tolist() == lens
+    short = lens.index(min(lens))
+    assert not batch["loss_mask"][short, min(lens):].any()
+    assert (batch["hidden"][short, min(lens):] == 0).all()
+
+
+def test_killed_run_resumes_at_the_next_missing_shard(tmp_path, tiny_target):
+    rows = make_rows(10)
+    done = []
+
+    def kill_after_second(k):
+        done.append(k)
+        if len(done) == 2:
+            raise Boom
+
+    with pytest.raises(Boom):
+        build_feature_cache(tiny_target, rows, tmp_path / "c", shard_size=3, progress=False,
+                            on_shard=kill_after_second)
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    assert not list((tmp_path / "c").glob("*.tmp-*"))
+    resumed = []
+    man = build_feature_cache(tiny_target, rows, tmp_path / "c", shard_size=3, progress=False,
+                              on_shard=resumed.append)
+    assert done == [0, 1] and resumed == [2, 3]
+    clean = build_feature_cache(tiny_target, rows, tmp_path / "clean", shard_size=3,
+                                progress=False)
+    assert [s["sha256"] for s in man["shards"]] == [s["sha256"] for s in clean["shards"]]
+
+
+def test_rerun_with_same_inputs_does_nothing(tmp_path, tiny_target):
+    rows = make_rows(6)
+    build_feature_cache(tiny_target, rows, tmp_path, shard_size=2, progress=False)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    calls = []
+    build_feature_cache(tiny_target, rows, tmp_path, shard_size=2, progress=False,
+                        on_shard=calls.append)
+    assert calls == []
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == mtimes
+
+
+def test_refuses_to_mix_targets_or_inputs(tmp_path, tiny_target):
+    rows = make_rows(4)
+    build_feature_cache(tiny_target, rows, tmp_path, progress=False)
+    other = make_tiny_target(seed=1)
+    msg = "weights_sha256: 'tiny-0-weights' != 'tiny-1-weights'"
+    with pytest.raises(TargetMismatchError, match=msg):
+        build_feature_cache(other, rows, tmp_path, progress=False)
+    with pytest.raises(TargetMismatchError, match="weights_sha256"):
+        FeatureDataset(tmp_path, target=other.identity)
+    with pytest.raises(FeatureCacheError, match="inputs_sha256"):
+        build_feature_cache(tiny_target, make_rows(4, seed=1), tmp_path, progress=False)
+    with pytest.raises(FeatureCacheError, match="layers"):
+        build_feature_cache(tiny_target, rows, tmp_path, layers=[1], progress=False)
+
+
+def test_tampered_shard_and_incomplete_cache_are_detected(tmp_path, tiny_target):
+    build_feature_cache(tiny_target, make_rows(4), tmp_path, shard_size=2, progress=False)
+    shard = tmp_path / read_manifest(tmp_path)["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(FeatureCacheError, match="shard-00001"):
+        verify_cache(tmp_path)
+    (tmp_path / "manifest.json").unlink()
+    with pytest.raises(FeatureCacheError, match="no manifest.json"):
+        FeatureDataset(tmp_path)
+
+
+def test_bad_arguments(tmp_path, tiny_target):
+    with pytest.raises(ValueError, match="out of range 0..2"):
+        build_feature_cache(tiny_target, make_rows(2), tmp_path, layers=[3])
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        build_feature_cache(tiny_target, make_rows(2), tmp_path, dtype="float32")
+
+
+def test_teacher_logits_match_the_lm_head(tiny_target):
+    model = tiny_target.model
+    ids = torch.tensor([make_rows(1)[0]["input_ids"]])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    got = teacher_logits(out.hidden_states[-1], model.lm_head.weight)
+    torch.testing.assert_close(got, out.logits, atol=1e-5, rtol=1e-5)
+    hot = teacher_logits(out.hidden_states[-1], model.lm_head.weight, temperature=2.0)
+    torch.testing.assert_close(hot, out.logits / 2, atol=1e-5, rtol=1e-5)
+
+
+def _tv(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Total-variation distance per row between softmax(p) and softmax(q)."""
+    return 0.5 * (p_logits.softmax(-1) - q_logits.softmax(-1)).abs().sum(-1)
+
+
+@pytest.mark.real
+def test_fp16_cache_reproduces_the_real_target_distribution(tmp_path, real_target):
+    from data.chat import tokenize_conversations
+    from data.sharegpt import read_sharegpt
+
+    convs, _ = read_sharegpt(limit=4)
+    ds, _ = tokenize_conversations(convs, real_target.tokenizer, max_length=96)
+    rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in ds]
+    build_feature_cache(real_target, rows, tmp_path, batch_size=2, shard_size=2, progress=False)
+    cache = FeatureDataset(tmp_path, target=real_target.identity)
+    model = real_target.model
+    tvs, shifted = [], []
+    for i in range(len(cache)):
+        item = cache[i]
+        with torch.no_grad():
+            logits = model(item["input_ids"][None]).logits[0]  # (T, V)
+        teacher = teacher_logits(item["hidden"], model.lm_head.weight)
+        tvs.append(_tv(teacher, logits))
+        shifted.append(_tv(teacher[1:], logits[:-1]))  # twin: off-by-one hidden states
+    tv, tv_shift = torch.cat(tvs), torch.cat(shifted)
+    print(f"max TV fp16 cache vs target: {tv.max():.2e} over {tv.numel()} tokens; "
+          f"off-by-one twin median {tv_shift.median():.3f}")
+    assert tv.max() < 1e-2, f"max TV {tv.max():.3e}"
+    assert tv_shift.median() > 1e-2  # the check detects a broken cache
+
+
+def test_manifest_is_json_with_per_shard_sha(tmp_path, tiny_target):
+    build_feature_cache(tiny_target, make_rows(3), tmp_path, shard_size=2, progress=False)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert [len(s["sha256"]) for s in m["shards"]] == [64, 64]
+    assert m["dtype"] == "float16" and m["sequences"] == 3
+
+
+def _sharegpt_file(path, n=30):
+    recs = [{"id": f"p{i}_0", "conversations": [
+        {"from": "human", "value": f"question {i}?"},
+        {"from": "gpt", "value": f"answer {i}, fine."}]} for i in range(n)]
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def test_prepare_data_builds_then_reuses_caches(tmp_path):
+    from omegaconf import OmegaConf
+    from test_chat import make_char_tokenizer
+
+    from data.prepare import prepare_data
+
+    tok = make_char_tokenizer()
+    target = make_tiny_target(vocab=len(tok))
+    target.tokenizer = tok
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "sharegpt.yaml")
+    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    cfg.num_conversations = 25
+    cfg.split = {"val": 0.2, "test": 0.2}
+    cfg.cache.shard_size = 4
+    train, val, rep = prepare_data(cfg, target, tmp_path / "out", layers=[1])
+    assert rep["read"]["kept"] == 25 and sum(rep["split"].values()) == 25
+    assert rep["split"]["val"] > 0 and rep["split"]["test"] > 0
+    tr, va = FeatureDataset(train, target.identity), FeatureDataset(val, target.identity)
+    assert len(tr) == rep["split"]["train"] and len(va) == rep["split"]["val"]
+    assert tr.layers == [1]
+    stamp = (train / "manifest.json").stat().st_mtime_ns
+    again = prepare_data(cfg, target, tmp_path / "out", layers=[1], is_main=False)
+    assert again[:2] == (train, val) and (train / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(FeatureCacheError, match="main process"):
+        prepare_data(cfg, target, tmp_path / "other", is_main=False)
+    cfg.max_lenght = 5
+    with pytest.raises(ValueError, match="unknown data config keys \\['max_lenght'\\]"):
+        prepare_data(cfg, target, tmp_path / "out")

@@ -1,0 +1,106 @@
+"""K* on synthetic alphas and costs, and the measured speculation record on a tiny model."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from eval.kstar import choose_kstar, expected_tokens_per_step, measure_speculation
+from eval.proposers import DraftLMProposer
+from eval.stats import KController
+from eval.target_model import Target
+from tests.conftest import tiny_llama
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens_per_step([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens_per_step([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_per_step([1.0, 0.0, 1.0], 3) == 2.0  # a zero cuts later positions
+    with pytest.raises(ValueError, match="positions"):
+        expected_tokens_per_step([0.5], 2)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        expected_tokens_per_step([1.5], 1)
+
+
+def test_kstar_free_verify_and_free_draft_takes_the_longest_useful_k():
+    # perfect draft, free drafting, verify cost flat -> longest K wins
+    k, sp = choose_kstar([1.0] * 6, 0.0, {k: 1.0 for k in range(7)}, 1.0)
+    assert k == 6 and sp[6] == pytest.approx(7.0)
+
+
+def test_kstar_matches_brute_force_on_synthetic_costs():
+    alpha = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    t_ar, t_draft = 0.047, 0.006
+    t_verify = {0: 0.047, 1: 0.049, 2: 0.051, 4: 0.072, 8: 0.086}
+    k, sp = choose_kstar(alpha, t_draft, t_verify, t_ar)
+    brute = {}
+    for kk, tv in t_verify.items():
+        e, prod = 1.0, 1.0
+        for a in alpha[:kk]:
+            prod *= a
+            e += prod
+        brute[kk] = e * t_ar / (kk * t_draft + tv)
+    assert sp == pytest.approx(brute)
+    assert k == max(brute, key=brute.get)
+    assert sp[0] == pytest.approx(1.0)
+
+
+def test_kstar_useless_draft_picks_plain():
+    k, sp = choose_kstar([0.0] * 4, 0.01, {k: 0.05 + 0.001 * k for k in range(5)}, 0.05)
+    assert k == 0 and all(v < 1 for kk, v in sp.items() if kk)
+
+
+def test_kstar_ignores_k_without_alpha():
+    k, sp = choose_kstar([0.9], 0.0, {0: 1.0, 1: 1.0, 2: 1.0}, 1.0)
+    assert set(sp) == {0, 1} and k == 1
+
+
+def test_controller_shrinks_k_for_poor_acceptance_and_grows_for_good():
+    ctl = KController(k=4, k_max=8, fallback=False)
+    for _ in range(8):
+        ctl.record(depth=ctl.k, nodes=ctl.k, accepted=0, tokens=1, t_draft=0.01 * ctl.k, t_verify=0.05)
+    assert ctl.k == 1
+    ctl = KController(k=2, k_max=8, fallback=False)
+    for _ in range(8):
+        ctl.record(depth=ctl.k, nodes=ctl.k, accepted=ctl.k, tokens=ctl.k + 1,
+                   t_draft=0.001 * ctl.k, t_verify=0.05)
+    assert ctl.k == 8
+
+
+def test_controller_falls_back_and_probes():
+    ctl = KController(k=2, k_max=4, adaptive=False, probe_every=5)
+    for _ in range(3):
+        assert ctl.next_k() == 2
+        ctl.record(depth=2, nodes=2, accepted=0, tokens=1, t_draft=0.02, t_verify=0.05)
+    assert [ctl.next_k() for _ in range(6)] == [0, 0, 0, 0, 0, 2]
+
+
+def test_measure_speculation_record():
+    model = tiny_llama(seed=0, vocab=64)
+    rec = measure_speculation(Target(model), DraftLMProposer(copy.deepcopy(model), 64),
+                              [[1, 5, 9, 13], [1, 7, 8]], k_max=3, max_new_tokens=9, repeats=3)
+    assert rec["alpha"] == [1.0, 1.0, 1.0]  # the draft is the target itself (greedy)
+    assert rec["k_star"] in range(4)
+    assert set(rec["expected_speedup"]) == {"0", "1", "2", "3"}
+    costs = rec["costs"]  # the shape eval/report.py reads
+    assert costs["t_ar"] > 0 and costs["t_draft"] > 0
+    assert set(costs["t_verify"]) == {"0", "1", "2", "3"} and costs["t_verify_tree"] == {}
+    assert rec["dtype"] == "float32" and "torch" in rec["versions"]
+    assert rec["hardware"]["cpu"] and rec["date"]
+    json.dumps(rec)  # serialisable as speculation.json
+
+
+def test_measure_speculation_times_tree_verification():
+    model = tiny_llama(seed=0, vocab=64)
+    rec = measure_speculation(Target(model), DraftLMProposer(copy.deepcopy(model), 64), [[1, 5, 9]],
+                              k_max=2, max_new_tokens=6, repeats=2, tree_nodes=[5, 12])
+    assert set(rec["costs"]["t_verify_tree"]) == {"5", "12"}
+    assert all(t > 0 for t in rec["costs"]["t_verify_tree"].values())
+
+
+def test_measure_speculation_refuses_a_k_the_draft_cannot_reach():
+    model = tiny_llama(seed=0, vocab=64)
+    with pytest.raises(ValueError, match="k_max"):
+        measure_speculation(Target(model), DraftLMProposer(copy.deepcopy(model), 64), [[1, 5]],
+                            k_max=0, max_new_tokens=4, repeats=1)

@@ -1,0 +1,98 @@
+"""Regeneration of assistant turns by the target: content, resume after a kill."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_chat import make_char_tokenizer
+
+from data.regenerate import regenerate_conversations
+from data.sharegpt import Conversation
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def target():
+    tok = make_char_tokenizer()
+    t = make_tiny_target(seed=5, vocab=len(tok))
+    t.tokenizer = tok
+    return t
+
+
+def convs(n: int) -> list[Conversation]:
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": "old answer"}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": "more"},
+                     {"role": "assistant", "content": "old again"}]
+        out.append(Conversation(id=f"c{i}", messages=msgs))
+    return out
+
+
+def test_greedy_regeneration_is_the_targets_reply(tmp_path, target):
+    (c,) = convs(1)
+    (got,) = regenerate_conversations([c], target, tmp_path / "r.jsonl", max_new_tokens=6,
+                                      progress=False)
+    assert [m["role"] for m in got.messages] == ["user", "assistant", "user", "assistant"]
+    assert got.messages[0] == c.messages[0] and got.messages[2] == c.messages[2]
+    tok = target.tokenizer
+    ids = tok.apply_chat_template(c.messages[:1], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ref = target.model.generate(ids, max_new_tokens=6, do_sample=False,
+                                    pad_token_id=0, eos_token_id=tok.eos_token_id)
+    expect = tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert got.messages[1]["content"] == expect != "old answer"
+
+
+def test_killed_run_loses_and_duplicates_nothing(tmp_path, target):
+    data = convs(7)
+    out = tmp_path / "r.jsonl"
+    seen = []
+
+    def kill(n_done):
+        seen.append(n_done)
+        if n_done >= 4:
+            raise Boom
+
+    with pytest.raises(Boom):
+        regenerate_conversations(data, target, out, temperature=0.8, max_new_tokens=4,
+                                 batch_size=2, progress=False, on_batch=kill)
+    with open(out, "a") as f:  # killed in the middle of writing the next line
+        f.write('{"id": "c4", "messa')
+    calls = []
+    result = regenerate_conversations(data, target, out, temperature=0.8, max_new_tokens=4,
+                                      batch_size=2, progress=False, on_batch=calls.append)
+    assert seen == [2, 4] and calls == [6, 7]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(x["id"] for x in lines) == sorted(c.id for c in data)
+    assert [c.id for c in result] == [c.id for c in data]
+    fresh = regenerate_conversations(data, target, tmp_path / "fresh.jsonl", temperature=0.8,
+                                     max_new_tokens=4, batch_size=2, progress=False)
+    assert [c.messages for c in result] == [c.messages for c in fresh]  # seeded per batch
+
+
+def test_leading_reply_is_dropped_and_long_prompts_stop(tmp_path, target):
+    c = Conversation(id="x", messages=[{"role": "assistant", "content": "hello"},
+                                       {"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "old"}])
+    (got,) = regenerate_conversations([c], target, tmp_path / "a.jsonl", max_new_tokens=3,
+                                      progress=False)
+    assert [m["role"] for m in got.messages] == ["user", "assistant"]
+    (short,) = regenerate_conversations([c], target, tmp_path / "b.jsonl", max_new_tokens=3,
+                                        max_prompt_tokens=5, progress=False)
+    assert [m["role"] for m in short.messages] == ["user"]
+
+
+def test_bad_arguments(tmp_path, target):
+    with pytest.raises(ValueError, match="temperature >= 0"):
+        regenerate_conversations(convs(1), target, tmp_path / "r.jsonl", temperature=-1)
+    with pytest.raises(ValueError, match="unique"):
+        regenerate_conversations(convs(1) * 2, target, tmp_path / "r.jsonl")

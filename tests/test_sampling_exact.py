@@ -1,0 +1,234 @@
+"""Exactness: speculative sampling must reproduce the target's distribution over whole outputs.
+
+A toy target and draft are tables of logits over a vocabulary of 8 for every context of up to 2
+generated tokens, so the exact distribution of 3 new tokens (512 outcomes) is enumerable. 20,000
+speculative samples (batched through the pure verifiers) must pass a chi-square test (p > 0.01)
+for chains and trees (point-mass and sampled nodes), at two warping settings. Twins run the same
+test with the residual step removed and must fail it. One end-to-end test runs the real decoder
+on tiny transformers models with fewer samples.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eval import verify
+from eval.verify import verify_chain_batch, verify_tree_batch, warp
+
+V, NEW, N_SAMPLES = 8, 3, 20_000
+SETTINGS = [{"temperature": 0.7, "top_k": 5, "top_p": 1.0},
+            {"temperature": 1.0, "top_k": 0, "top_p": 0.9}]
+OFFSETS = [0, 1, 1 + V, 1 + V + V * V]  # context id = OFFSETS[len] + base-V number
+
+
+def ctx_id(seq: torch.Tensor, length: int) -> torch.Tensor:
+    """Context ids of ``seq[:, :length]`` ((B, L) tokens) -> (B,)."""
+    ids = torch.zeros(seq.shape[0], dtype=torch.long)
+    for i in range(length):
+        ids = ids * V + seq[:, i]
+    return ids + OFFSETS[length]
+
+
+class Toy:
+    """Logit tables for target and draft (draft = damped target + noise: partial acceptance)."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        n_ctx = OFFSETS[-1]
+        target = 2.0 * torch.randn(n_ctx, V, generator=g)
+        draft = 0.5 * target + 1.5 * torch.randn(n_ctx, V, generator=g)
+        self.p = warp(target, temperature, top_k, top_p)  # (n_ctx, V)
+        self.q = warp(draft, temperature, top_k, top_p)
+
+    def exact(self) -> torch.Tensor:
+        """(V**NEW,) exact probability of every output (index = base-V number)."""
+        probs = torch.zeros(V ** NEW)
+        for out in itertools.product(range(V), repeat=NEW):
+            seq = torch.tensor([out])
+            pr = 1.0
+            for i in range(NEW):
+                pr *= float(self.p[ctx_id(seq, i), out[i]])
+            probs[int(ctx_id(seq, NEW)) - OFFSETS[NEW]] = pr
+        return probs
+
+
+def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=g).squeeze(-1)
+
+
+def chain_step(toy: Toy, seq: torch.Tensor, length: int, k: int, g: torch.Generator):
+    """One speculative chain step for draws sharing ``length``: returns new tokens (B, k+1), count."""
+    b = seq.shape[0]
+    work = seq.clone()
+    qs, ps = [], []
+    for i in range(k + 1):
+        cid = ctx_id(work, length + i)
+        ps.append(toy.p[cid])
+        if i < k:
+            qs.append(toy.q[cid])
+            work[:, length + i] = _draw(qs[-1], g)
+    drafts = work[:, length:length + k]
+    q = torch.stack(qs, 1) if qs else torch.zeros(b, 0, V)
+    n, nxt = verify_chain_batch(torch.stack(ps, 1), q, drafts, g)
+    new = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.long)], 1)
+    new.scatter_(1, n.unsqueeze(1), nxt.unsqueeze(1))
+    return new, n + 1
+
+
+TREE_PARENTS = torch.tensor([-1, -1, 0, 0, 1])  # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}
+
+
+def tree_step(toy: Toy, seq: torch.Tensor, length: int, depth: int, g: torch.Generator,
+              sampled: bool):
+    """One tree step. Point-mass mode: every node is a top-ranked draft token (deterministic);
+    sampled mode: root children are two i.i.d. draws from q, deeper nodes one draw each."""
+    b = seq.shape[0]
+    parents = TREE_PARENTS if depth >= 2 else TREE_PARENTS[:2]
+    n = parents.shape[0]
+    node_ctx = torch.zeros(b, n + 1, NEW + 2, dtype=torch.long)  # full sequence at each node
+    node_ctx[:, 0, :] = torch.cat([seq, torch.zeros(b, 2, dtype=torch.long)], 1)
+    tokens = torch.zeros(b, n, dtype=torch.long)
+    q = torch.zeros(b, n, V)
+    p = torch.zeros(b, n + 1, V)
+    p[:, 0] = toy.p[ctx_id(seq, length)]
+    depth_of = [0] * n
+    rank: dict[int, int] = {}
+    for j in range(n):
+        par = int(parents[j])
+        d = 1 if par < 0 else depth_of[par] + 1
+        depth_of[j] = d
+        base = node_ctx[:, par + 1]
+        q_par = toy.q[ctx_id(base, length + d - 1)]  # (B, V)
+        if sampled:
+            tok = _draw(q_par, g)
+            q[:, j] = q_par
+        else:
+            rank[par] = rank.get(par, -1) + 1
+            tok = torch.topk(q_par, rank[par] + 1, dim=-1).indices[:, -1]
+            q[:, j] = torch.nn.functional.one_hot(tok, V).float()
+        tokens[:, j] = tok
+        node_ctx[:, j + 1] = base
+        node_ctx[:, j + 1, length + d - 1] = tok
+        p[:, j + 1] = toy.p[ctx_id(node_ctx[:, j + 1], length + d)]
+    acc, nxt = verify_tree_batch(p, q if sampled else None, tokens, parents, g)
+    count = acc.sum(-1)
+    new = torch.zeros(b, depth + 1, dtype=torch.long)
+    for i in range(b):
+        path = torch.nonzero(acc[i]).flatten().tolist()
+        row = tokens[i, path].tolist() + [int(nxt[i])]
+        new[i, : len(row)] = torch.tensor(row)
+    return new, count + 1
+
+
+def sample_outputs(toy: Toy, mode: str, seed: int) -> torch.Tensor:
+    """N_SAMPLES outputs of NEW tokens -> (N_SAMPLES,) outcome indices."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.zeros(N_SAMPLES, NEW, dtype=torch.long)
+    lengths = torch.zeros(N_SAMPLES, dtype=torch.long)
+    while bool((lengths < NEW).any()):
+        for length in range(NEW):
+            rows = torch.nonzero(lengths == length).flatten()
+            if rows.numel() == 0:
+                continue
+            k = NEW - length - 1  # drafts that fit, +1 verified token
+            if mode == "chain":
+                new, count = chain_step(toy, seq[rows], length, k, g)
+            else:
+                new, count = tree_step(toy, seq[rows], length, k, g, sampled=mode == "tree-sampled") \
+                    if k > 0 else chain_step(toy, seq[rows], length, 0, g)
+            for i in range(new.shape[1]):
+                write = (i < count) & (length + i < NEW)
+                idx = rows[write]
+                seq[idx, length + i] = new[write, i]
+            lengths[rows] = lengths[rows] + count
+    return ctx_id(seq, NEW) - OFFSETS[NEW]
+
+
+def chi_square_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of a chi-square goodness-of-fit test; cells with expected < 5 are pooled.
+    Any sample in a zero-probability cell is an immediate failure (p = 0)."""
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs.double() * samples.numel()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+MODES = ["chain", "tree-point", "tree-sampled"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["T0.7-topk5", "T1.0-topp0.9"])
+@pytest.mark.parametrize("mode", MODES)
+def test_speculative_sampling_is_exact(mode, setting):
+    toy = Toy(**setting)
+    samples = sample_outputs(toy, mode, seed=11)
+    assert chi_square_p(samples, toy.exact()) > 0.01
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_twin_without_residual_step_fails(mode, monkeypatch):
+    """Same test with a broken verifier (rejections resample from p, not norm(max(p - q, 0)))."""
+    monkeypatch.setattr(verify, "_residual", lambda r, q: r)
+    toy = Toy(**SETTINGS[1])
+    samples = sample_outputs(toy, mode, seed=11)
+    assert chi_square_p(samples, toy.exact()) < 0.01
+
+
+def test_toy_is_not_trivial():
+    """The toy has real rejections (else the twins would prove nothing)."""
+    toy = Toy(**SETTINGS[1])
+    overlap = torch.minimum(toy.p, toy.q).sum(-1)  # per-context acceptance probability
+    assert 0.2 < float(overlap.mean()) < 0.9
+
+
+# ----------------------------------------------------------------------------- end to end
+E2E_SETTING = {"temperature": 0.6, "top_k": 4, "top_p": 1.0}
+E2E_SAMPLES = 600
+
+
+def _exact_tiny(model, prompt: list[int]) -> torch.Tensor:
+    """(V**3,) exact warped distribution of 3 new tokens of a tiny transformers model."""
+    seqs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # (64, L+2)
+    with torch.no_grad():
+        p = warp(model(seqs).logits[:, -3:], **E2E_SETTING)  # (64, 3, V)
+    probs = torch.zeros(V ** NEW)
+    for a, b in itertools.product(range(V), repeat=2):
+        row = p[a * V + b]
+        probs[(a * V + b) * V: (a * V + b + 1) * V] = row[0, a] * row[1, b] * row[2]
+    return probs
+
+
+@pytest.mark.parametrize("kind", ["draft-lm-chain", "medusa-tree"])
+def test_decoder_end_to_end_sampling_is_exact(kind):
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import DraftLMProposer, MedusaProposer, medusa_choices
+    from heads.medusa import MedusaConfig, build_medusa
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=1, vocab=V, hidden=16, layers=1)
+    if kind == "draft-lm-chain":
+        proposer = DraftLMProposer(tiny_llama(seed=2, vocab=V, hidden=16, layers=1), V)
+    else:
+        torch.manual_seed(2)
+        heads = build_medusa(MedusaConfig(num_heads=2), model).eval()
+        for par in heads.parameters():  # move the heads away from the target's own LM head
+            par.data.add_(0.5 * torch.randn_like(par))
+        proposer = MedusaProposer(heads, V, medusa_choices((3, 2)))
+    dec = SpeculativeDecoder(model, proposer, k=2, adaptive=False, fallback=False)
+    prompt = [1, 3, 5]
+    g = torch.Generator().manual_seed(0)
+    outs, accepted = [], 0
+    for _ in range(E2E_SAMPLES):
+        res = dec.generate(prompt, max_new_tokens=NEW, generator=g, **E2E_SETTING)
+        outs.append((res.output_ids[0] * V + res.output_ids[1]) * V + res.output_ids[2])
+        accepted += res.stats.accepted
+    assert 0 < accepted < E2E_SAMPLES  # speculation really happened, with rejections
+    assert chi_square_p(torch.tensor(outs), _exact_tiny(model, prompt)) > 0.01

@@ -1,0 +1,181 @@
+"""Pure verification functions with hand-set distributions: always / never / partial accept,
+greedy matching, residual sampling, warping and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.verify import (
+    verify_chain,
+    verify_chain_batch,
+    verify_tree,
+    verify_tree_batch,
+    verify_tree_typical,
+    warp,
+)
+
+V = 6
+
+
+def onehot(*ids: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(ids), V).float()
+
+
+def dist(*rows: list[float]) -> torch.Tensor:
+    t = torch.tensor(rows, dtype=torch.float32)
+    return t / t.sum(-1, keepdim=True)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- warp
+def test_warp_greedy_is_argmax_one_hot():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9, 0.0, 0.0]])
+    assert torch.equal(warp(logits, 0.0), onehot(1))
+
+
+def test_warp_temperature_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0 + 1e-9, 1e-9]))
+    torch.testing.assert_close(warp(logits, 1.0)[:4], torch.tensor([0.5, 0.3, 0.15, 0.05]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(warp(logits, 1.0, top_k=2), torch.tensor([0.625, 0.375, 0, 0, 0, 0]))
+    # nucleus 0.8: tokens before the third hold 0.8 already -> keep two
+    torch.testing.assert_close(warp(logits, 1.0, top_p=0.8), torch.tensor([0.625, 0.375, 0, 0, 0, 0]))
+    kept3 = warp(logits, 1.0, top_p=0.81)
+    assert (kept3 > 0).sum() == 3
+    # the top token survives any nucleus
+    assert torch.equal(warp(logits, 1.0, top_p=0.01), onehot(0)[0])
+    hot = warp(logits, 0.5)
+    assert hot[0] > 0.5 and torch.isclose(hot.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("kw, msg", [({"temperature": -1.0}, "temperature"),
+                                     ({"temperature": 1.0, "top_k": -2}, "top_k"),
+                                     ({"temperature": 1.0, "top_p": 1.5}, "top_p")])
+def test_warp_rejects_bad_settings(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        warp(torch.zeros(V), **kw)
+
+
+# ----------------------------------------------------------------------------- chain
+def test_chain_always_accept_then_bonus():
+    q = dist([1, 2, 3, 0, 0, 0], [0, 0, 1, 1, 1, 1])
+    p = torch.cat([q, onehot(5)])  # p == q at drafted positions; bonus is certain
+    for seed in range(20):
+        assert verify_chain(p, q, torch.tensor([2, 4]), gen(seed)) == (2, 5)
+
+
+def test_chain_never_accept_samples_residual():
+    q = onehot(1, 2, 3)
+    p = dist([0, 0, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1])
+    for seed in range(20):
+        n, nxt = verify_chain(p, q, torch.tensor([1, 2, 3]), gen(seed))
+        assert n == 0 and nxt in (2, 5)
+
+
+def test_chain_partial_accept():
+    q = onehot(1, 2, 3)
+    # positions 0, 1 put mass 1 on the draft; position 2 gives the draft probability 0
+    p = torch.cat([onehot(1, 2), dist([0, 0, 0, 0, 1, 0]), onehot(0)])
+    for seed in range(20):
+        assert verify_chain(p, q, torch.tensor([1, 2, 3]), gen(seed)) == (2, 4)
+
+
+def test_chain_greedy_matches_target_argmax():
+    target_logits = torch.randn(5, V, generator=gen(1))
+    draft = target_logits[:4].argmax(-1).clone()
+    draft[2] = (draft[2] + 1) % V  # first mismatch at position 2
+    p = warp(target_logits, 0.0)
+    q = onehot(*draft.tolist())
+    n, nxt = verify_chain(p, q, draft, gen(0))
+    assert (n, nxt) == (2, int(target_logits[2].argmax()))
+
+
+def test_chain_acceptance_probability_and_residual():
+    # p(x)=0.2, q(x)=0.6 -> accept w.p. 1/3; residual = norm(max(p - q, 0)) on the other tokens
+    p0 = torch.tensor([0.2, 0.5, 0.3, 0, 0, 0])
+    q0 = torch.tensor([0.6, 0.1, 0.3, 0, 0, 0])
+    b = 30000
+    p = torch.stack([p0, onehot(4)[0]]).expand(b, 2, V)
+    q = q0.expand(b, 1, V)
+    n, nxt = verify_chain_batch(p, q, torch.zeros(b, 1, dtype=torch.long), gen(3))
+    rate = n.float().mean().item()
+    assert abs(rate - 1 / 3) < 4 * (1 / 3 * 2 / 3 / b) ** 0.5
+    assert torch.all(nxt[n == 1] == 4)
+    assert set(nxt[n == 0].tolist()) == {1}  # residual: max(p-q,0) = [0, .4, 0, ...]
+
+
+def test_chain_shape_errors():
+    with pytest.raises(ValueError, match="shape mismatch"):
+        verify_chain(torch.ones(3, V) / V, torch.ones(3, V) / V, torch.tensor([0, 1]))
+
+
+# ----------------------------------------------------------------------------- tree
+TREE_PARENTS = torch.tensor([-1, -1, 0, 0, 1])  # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}
+
+
+def test_tree_always_accept_deep_path():
+    tokens = torch.tensor([1, 2, 3, 4, 5])
+    # target certain of 2 at the root, then of 5 after node 1, then bonus 0
+    u = torch.full((1, V), 1 / V)
+    p = torch.cat([onehot(2), u, onehot(5), u, u, onehot(0)])
+    for seed in range(10):
+        path, nxt = verify_tree(p, None, tokens, TREE_PARENTS, gen(seed))
+        assert (path, nxt) == ([1, 4], 0)
+
+
+def test_tree_never_accept_samples_residual_without_tried_tokens():
+    tokens = torch.tensor([1, 2, 3, 4, 5])
+    p = torch.cat([dist([0, 1, 1, 1, 0, 0]), torch.full((5, V), 1 / V)])
+    for seed in range(50):
+        path, nxt = verify_tree(p, None, tokens, TREE_PARENTS, gen(seed))
+        if not path:  # point-mass rejections remove tokens 1 and 2 from the residual
+            assert nxt == 3
+    # with p(1) = p(2) = 0 nothing is ever accepted
+    p[0] = onehot(3)[0]
+    assert verify_tree(p, None, tokens, TREE_PARENTS, gen(0)) == ([], 3)
+
+
+def test_tree_partial_accept_second_sibling():
+    tokens = torch.tensor([1, 2, 3, 4, 5])
+    p = torch.cat([onehot(2), torch.full((5, V), 1 / V)])
+    p[2] = onehot(0)[0]  # after node 1 the target wants 0, but node 4 drafted 5
+    assert verify_tree(p, None, tokens, TREE_PARENTS, gen(0)) == ([1], 0)
+
+
+def test_tree_point_mass_sibling_frequencies():
+    # root p = {a: .5, b: .3, c: .2}; children a, b as point masses
+    b = 40000
+    p_root = torch.tensor([0.5, 0.3, 0.2, 0, 0, 0])
+    p = torch.cat([p_root[None], onehot(4), onehot(5)]).expand(b, 3, V)
+    acc, nxt = verify_tree_batch(p, None, torch.tensor([0, 1]), torch.tensor([-1, -1]), gen(5))
+    freq = torch.stack([acc[:, 0], acc[:, 1], ~acc.any(-1)]).float().mean(-1)
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.012, rtol=0)
+    assert torch.all(nxt[~acc.any(-1)] == 2)
+
+
+def test_tree_greedy_equals_chain_greedy_on_a_chain():
+    logits = torch.randn(4, V, generator=gen(2))
+    draft = logits[:3].argmax(-1)
+    draft[1] = (draft[1] + 3) % V
+    p = warp(logits, 0.0)
+    path, nxt = verify_tree(p, None, draft, torch.tensor([-1, 0, 1]))
+    n, nxt_chain = verify_chain(p, onehot(*draft.tolist()), draft)
+    assert (len(path), nxt) == (n, nxt_chain) == (1, int(logits[1].argmax()))
+
+
+def test_tree_rejects_non_topological_order():
+    with pytest.raises(ValueError, match="topological"):
+        verify_tree(torch.ones(3, V) / V, None, torch.tensor([0, 1]), torch.tensor([1, -1]))
+
+
+def test_typical_acceptance_is_marked_lossy():
+    tokens = torch.tensor([1, 2, 3, 4, 5])
+    p = torch.cat([dist([0, 1, 9, 0, 0, 0]), torch.full((5, V), 1 / V)])
+    p[1] = onehot(0)[0]  # children of node 0 (tokens 3, 4) are implausible
+    p[2] = onehot(5)[0]
+    res = verify_tree_typical(p, tokens, TREE_PARENTS, generator=gen(0))
+    assert res.lossless is False
+    assert res.path == [1, 4] and res.next_token in range(V)

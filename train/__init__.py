@@ -1,0 +1,1 @@
+"""draftsmith training: the distillation recipe, losses and checkpoints."""

@@ -1,0 +1,100 @@
+"""Validation of a composed distillation config, before any work is done.
+
+Every error names the offending key, the value found and what is allowed, so a typo on the command
+line fails in a second instead of after the feature cache has been built.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+DRAFT_KINDS = ("lm", "medusa", "eagle")
+LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+LOG_WITH = ("tensorboard", "wandb", "none")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the allowed values."""
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    value = OmegaConf.select(cfg, key, throw_on_missing=False)
+    if value is None and OmegaConf.select(cfg, key, default="__absent__") == "__absent__":
+        raise ConfigError(f"config key '{key}' is missing; add it to your config or pass {key}=VALUE")
+    return value
+
+
+def _positive(cfg: DictConfig, key: str, kind: type = int, allow_zero: bool = False) -> None:
+    value = _get(cfg, key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and kind is int:
+        ok = float(value).is_integer()
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        need = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"{key}={value!r} is invalid: it must be {need} "
+                          f"{'integer' if kind is int else 'number'}")
+
+
+def _one_of(cfg: DictConfig, key: str, allowed: tuple[str, ...]) -> None:
+    value = _get(cfg, key)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is invalid; allowed values: {', '.join(allowed)}")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Check the values that do not need the target loaded. Raises ConfigError."""
+    _one_of(cfg, "draft.kind", DRAFT_KINDS)
+    _positive(cfg, "draft.num_positions")
+    weights = _get(cfg, "draft.position_weights")
+    if weights is not None:
+        if len(weights) < cfg.draft.num_positions or any(w < 0 for w in weights):
+            raise ConfigError(
+                f"draft.position_weights={list(weights)} must hold {cfg.draft.num_positions} "
+                "non-negative weights (one per draft position), or be null")
+    _positive(cfg, "draft.feature_weight", float, allow_zero=True)
+    for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum",
+                "train.eval_every", "train.save_every", "train.log_every"):
+        _positive(cfg, key)
+    _positive(cfg, "train.keep_checkpoints")
+    _positive(cfg, "train.max_grad_norm", float, allow_zero=True)
+    _one_of(cfg, "train.mixed_precision", MIXED_PRECISION)
+    _positive(cfg, "optim.lr", float)
+    _positive(cfg, "optim.warmup_steps", allow_zero=True)
+    _one_of(cfg, "logging.log_with", LOG_WITH)
+    loss_weights = _get(cfg, "loss.weights") or {}
+    unknown = sorted(set(loss_weights) - set(LOSS_TERMS))
+    if unknown:
+        raise ConfigError(f"loss.weights has unknown terms {unknown}; allowed: {', '.join(LOSS_TERMS)}")
+    if any(w < 0 for w in loss_weights.values()) or sum(loss_weights.values()) <= 0:
+        raise ConfigError(f"loss.weights={dict(loss_weights)} must be non-negative with a positive sum")
+    _positive(cfg, "loss.temperature", float)
+    if cfg.draft.kind == "eagle":
+        vocab = OmegaConf.select(cfg, "draft.config.draft_vocab_size")
+        if vocab is not None and (not isinstance(vocab, int) or vocab <= 0):
+            raise ConfigError(f"draft.config.draft_vocab_size={vocab!r} must be null or a positive integer")
+
+
+def validate_against_target(cfg: DictConfig, vocab_size: int, hidden_size: int,
+                            num_layers: int) -> None:
+    """Check the values that depend on the loaded target. Raises ConfigError."""
+    if cfg.draft.kind == "eagle":
+        vocab = OmegaConf.select(cfg, "draft.config.draft_vocab_size")
+        if vocab is not None and vocab > vocab_size:
+            raise ConfigError(f"draft.config.draft_vocab_size={vocab} exceeds the target's vocabulary "
+                              f"({vocab_size}); use a value <= {vocab_size} or null")
+        layers = OmegaConf.select(cfg, "draft.config.fuse_layers") or []
+        bad = [i for i in layers if not 0 <= i <= num_layers]
+        if bad:
+            raise ConfigError(f"draft.config.fuse_layers has ids {bad} outside the target's 0..{num_layers}")
+    if cfg.draft.kind == "lm":
+        hidden = OmegaConf.select(cfg, "draft.config.hidden_size")
+        init = OmegaConf.select(cfg, "draft.config.init")
+        if init == "target" and hidden is not None and hidden != hidden_size:
+            raise ConfigError(
+                f"draft.config.hidden_size={hidden} does not fit the target (hidden {hidden_size}) with "
+                "draft.config.init=target; use hidden_size=null (the target's) or init=random")
+        n = OmegaConf.select(cfg, "draft.config.num_layers")
+        if init == "target" and n is not None and n > num_layers:
+            raise ConfigError(f"draft.config.num_layers={n} exceeds the target's {num_layers} layers")

@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""Distil a target LLM's token distributions into a draft model.
+
+    accelerate launch train/distill.py                                  # EAGLE head, defaults
+    accelerate launch train/distill.py experiment=quickstart            # the `make demo` run
+    accelerate launch train/distill.py draft=medusa loss=tvd optim.lr=1e-3
+    accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml train/distill.py launcher=deepspeed_zero2
+
+The recipe is one class: ``setup`` (accelerator, target, feature cache, draft, optimizer),
+``train`` (the loop, validation, checkpoints), ``save_package`` and ``cleanup``. Components live in
+their packages: the feature cache in ``data/``, the draft families in ``heads/``, the losses and
+metrics in ``train/``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train import checkpoint as ckpt  # noqa: E402
+from train.config import ConfigError, validate_against_target, validate_config  # noqa: E402
+from train.families import build_family  # noqa: E402
+from train.runtime import (  # noqa: E402
+    StepLog,
+    cosine_with_warmup,
+    make_accelerator,
+    make_epoch_loader,
+)
+
+log = logging.getLogger("draftsmith.distill")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or inf; the run stops before the optimizer touches the weights."""
+
+
+class DistillRecipe:
+    """One distillation run: everything it needs is built in ``setup`` from the config."""
+
+    def __init__(self, cfg: DictConfig):
+        validate_config(cfg)
+        self.cfg = cfg
+        self.out_dir = Path(cfg.out_dir)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.rank_fingerprints: list[int] | None = None  # first batch of each rank (sharding check)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.accelerator = make_accelerator(cfg)
+        acc = self.accelerator
+        torch.manual_seed(cfg.seed)
+        if acc.is_main_process:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        log.info("launcher=%s distributed_type=%s processes=%d device=%s mixed_precision=%s",
+                 cfg.launcher.name, acc.distributed_type.name, acc.num_processes, acc.device,
+                 acc.mixed_precision)
+
+        # 1. target (converted once by the main process, then read from the cache by all)
+        from data.target import load_target
+        from data.tiny import target_path_from_config
+
+        with acc.main_process_first():
+            self.target = load_target(target_path_from_config(cfg.target),
+                                      dtype=getattr(torch, cfg.target.dtype))
+        tcfg = self.target.model.config
+        validate_against_target(cfg, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)
+
+        # 2. feature cache (built once by the main process; other ranks then read it)
+        from data.prepare import prepare_data
+        from data.features import FeatureDataset
+
+        layers = OmegaConf.select(cfg, "draft.config.fuse_layers") or []
+        with acc.main_process_first():
+            train_dir, val_dir, self.data_report = prepare_data(
+                cfg.data, self.target, layers=list(layers), is_main=acc.is_main_process)
+        self.train_set = FeatureDataset(train_dir)
+        self.val_set = FeatureDataset(val_dir)
+        if len(self.train_set) < cfg.train.micro_batch_size * acc.num_processes:
+            raise ConfigError(
+                f"the training split has {len(self.train_set)} sequences, fewer than one global batch "
+                f"(train.micro_batch_size={cfg.train.micro_batch_size} x {acc.num_processes} processes); "
+                "use more data (data.num_conversations) or a smaller batch")
+
+        # 3. draft, frozen teacher LM head, loss
+        torch.manual_seed(cfg.seed)
+        self.family = build_family(cfg, self.target, self.train_set)
+        self.lm_head = self.target.model.get_output_embeddings().weight.detach().to(acc.device)
+        self.loss_fn = hydra.utils.instantiate(cfg.loss)
+
+        # 4. optimizer and schedule (the scheduler is stepped once per optimizer step by hand, so
+        #    the schedule is the same whatever the number of processes)
+        params = [p for p in self.family.module.parameters() if p.requires_grad]
+        self.optimizer = hydra.utils.instantiate(cfg.optim.optimizer)(params)
+        self.scheduler = cosine_with_warmup(self.optimizer, cfg.optim.warmup_steps,
+                                            cfg.train.max_steps, cfg.optim.min_lr_ratio)
+        self.family.module, self.optimizer = acc.prepare(self.family.module, self.optimizer)
+        self._check_deepspeed_clipping()
+
+        # 5. trackers and resume
+        self.steplog = StepLog(acc, cfg, self.out_dir)
+        if cfg.train.resume:
+            self._resume()
+
+    def _check_deepspeed_clipping(self) -> None:
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:
+            return
+        clip = plugin.deepspeed_config.get("gradient_clipping", 1.0)
+        if float(clip) != float(self.cfg.train.max_grad_norm):
+            raise ConfigError(
+                f"DeepSpeed clips gradients at {clip} (its JSON 'gradient_clipping') but "
+                f"train.max_grad_norm={self.cfg.train.max_grad_norm}; set both to the same value")
+
+    def _resume(self) -> None:
+        acc = self.accelerator
+        if acc.is_main_process:
+            for p in ckpt.remove_partial(self.out_dir):
+                log.warning("removed a checkpoint left half-written by a killed run: %s", p)
+        acc.wait_for_everyone()
+        last = ckpt.latest_checkpoint(self.out_dir)
+        if last is None:
+            return
+        state = ckpt.load_trainer_state(last)
+        acc.load_state(str(last))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]
+        log.info("resumed from %s (step %d, epoch %d, batch %d)", last, self.step, self.epoch,
+                 self.batch_in_epoch)
+
+    # ------------------------------------------------------------------ losses and metrics
+    def _teacher_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exact teacher logits from cached final hidden states. (B, T, H) -> (B, T, V)."""
+        return hidden.to(self.lm_head.dtype) @ self.lm_head.T
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """Weighted loss over draft positions for one micro-batch.
+
+        Each position's loss is a mean over its masked tokens *across all processes*: the local
+        mean is rescaled by (local tokens / global tokens x processes), so after DDP/DeepSpeed
+        average the gradients, N processes make the same update as one process on the union of
+        their batches, whatever the padding.
+
+        Returns (loss, parts, n_tokens): parts holds per-position local loss values for logging,
+        n_tokens the global count of position-1 tokens.
+        """
+        acc = self.accelerator
+        outputs = self.family.forward(batch)
+        weights = self.family.position_weights
+        total = torch.zeros((), device=self.accelerator.device)
+        parts: dict[str, float] = {}
+        for k, pos in enumerate(outputs):
+            # Only the counted rows (assistant tokens, no padding) go through the loss. The
+            # teacher comes from the cached hidden states through the frozen LM head: at once
+            # when it fits the budget, else in chunks inside the loss (never all (N, V) held).
+            m = pos.mask
+            student, labels = pos.draft_logits[m][None], pos.labels[m][None]  # (1, N, V_draft)
+            t_hidden = pos.teacher_hidden[m][None]  # (1, N, H)
+            if student.shape[1] == 0:
+                lk = pos.draft_logits.sum() * 0.0
+            elif student.shape[1] * self.lm_head.shape[0] <= self.cfg.train.teacher_logits_budget:
+                with torch.no_grad():
+                    teacher = self._teacher_logits(t_hidden)
+                lk = self.loss_fn(student, teacher, None,
+                                  draft_to_target=self.family.draft_to_target, labels=labels)
+            else:
+                lk = self.loss_fn(student, None, None, teacher_hidden=t_hidden,
+                                  lm_head_weight=self.lm_head,
+                                  draft_to_target=self.family.draft_to_target, labels=labels)
+            if pos.draft_hidden is not None and self.cfg.draft.feature_weight > 0:
+                diff = torch.nn.functional.smooth_l1_loss(
+                    pos.draft_hidden.float(), pos.teacher_hidden.float(), reduction="none").mean(-1)
+                feat = (diff * pos.mask).sum() / pos.mask.sum().clamp(min=1)
+                lk = lk + self.cfg.draft.feature_weight * feat
+            n_local = pos.mask.sum().float()
+            n_global = acc.reduce(n_local.detach().clone(), reduction="sum").clamp(min=1)
+            total = total + weights[k] * lk * (n_local / n_global * acc.num_processes)
+            parts[f"loss/pos{k + 1}"] = float(lk.detach())
+            if k == 0:
+                n_tokens = n_global
+        return total, parts, n_tokens
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Per draft position: expected acceptance sum(min(p, q)) and top-1 agreement."""
+        from train.metrics import expected_acceptance_sums
+
+        model = self.family.module
+        model.eval()
+        acc = self.accelerator
+        sums = None
+        loader = make_epoch_loader(self.val_set, self.cfg.train.micro_batch_size, seed=0, epoch=0,
+                                   shuffle=False, accelerator=acc, drop_last=False)
+        limit = self.cfg.train.eval_batches
+        temp = float(self.cfg.loss.temperature)
+        for i, batch in enumerate(loader):
+            if limit is not None and i >= limit:
+                break
+            with acc.autocast():
+                outputs = self.family.forward(batch)
+            rows = []
+            for pos in outputs:
+                p_logits = self._teacher_logits(pos.teacher_hidden)
+                rows.append(expected_acceptance_sums(
+                    p_logits.float(), pos.draft_logits.float(), pos.mask, temperature=temp,
+                    draft_to_target=self.family.draft_to_target))
+            batch_sums = torch.tensor(rows, device=acc.device, dtype=torch.float64)  # (K, 3)
+            sums = batch_sums if sums is None else sums + batch_sums
+        model.train()
+        if sums is None:
+            sums = torch.zeros(self.family.num_positions, 3, device=acc.device, dtype=torch.float64)
+        sums = acc.reduce(sums, reduction="sum")
+        n = sums[:, 2].clamp(min=1)
+        return {"alpha_hat": (sums[:, 0] / n).tolist(), "top1": (sums[:, 1] / n).tolist(),
+                "tokens": int(sums[0, 2].item()), "temperature": temp}
+
+    # ------------------------------------------------------------------ the loop
+    def _batches(self):
+        """Yield micro-batches forever, epoch after epoch, tracking the data position."""
+        cfg = self.cfg
+        while True:
+            loader = make_epoch_loader(self.train_set, cfg.train.micro_batch_size, seed=cfg.seed,
+                                       epoch=self.epoch, shuffle=True, accelerator=self.accelerator,
+                                       skip=self.batch_in_epoch)
+            for batch in loader:
+                self.batch_in_epoch += 1
+                yield batch
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    def train(self) -> dict:
+        cfg, acc = self.cfg, self.accelerator
+        model = self.family.module
+        model.train()
+        if self.step == 0:
+            self.initial_validation = self.validate()
+            self.steplog.log_validation(0, self.initial_validation, tag="init")
+        else:
+            self.initial_validation = self._read_json("validation_init.json")
+        self._write_json("validation_init.json", self.initial_validation)
+        batches = self._batches()
+        progress = self.steplog.progress(total=cfg.train.max_steps, initial=self.step)
+        last_val = None
+        tokens_seen, t0 = 0, time.perf_counter()
+        while self.step < cfg.train.max_steps:
+            step_parts: dict[str, float] = {}
+            for _ in range(cfg.train.grad_accum):
+                batch = next(batches)
+                if self.rank_fingerprints is None:
+                    self.rank_fingerprints = self._fingerprints(batch)
+                with acc.accumulate(model):
+                    with acc.autocast():
+                        loss, parts, n_global = self.compute_loss(batch)
+                    finite = acc.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")
+                    if finite.item() < acc.num_processes:
+                        last = ckpt.latest_checkpoint(self.out_dir)
+                        raise NonFiniteLossError(
+                            f"loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}, "
+                            f"batch {self.batch_in_epoch}); stopping before the update. The last good "
+                            f"checkpoint is {last or 'none (no checkpoint saved yet)'}; lower optim.lr "
+                            "or check the data, then rerun to resume from it")
+                    acc.backward(loss)
+                    if acc.sync_gradients and cfg.train.max_grad_norm > 0:
+                        acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                tokens_seen += int(n_global.item())
+                for key, v in parts.items():
+                    step_parts[key] = step_parts.get(key, 0.0) + v / cfg.train.grad_accum
+            self.scheduler.step()
+            self.step += 1
+            progress.update(1)
+            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                elapsed = time.perf_counter() - t0
+                self.steplog.log_train(self.step, {
+                    "loss": sum(step_parts.values()), **step_parts,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
+            if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
+                last_val = self.validate()
+                self.steplog.log_validation(self.step, last_val)
+            if self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps:
+                self.save_checkpoint()
+        progress.close()
+        if last_val is None:
+            last_val = self.validate()
+        self.final_validation = {**last_val, "step": self.step}
+        self._write_json("validation.json", self.final_validation)
+        return self.final_validation
+
+    def _fingerprints(self, batch: dict) -> list[int]:
+        """A checksum of each rank's first batch, gathered: distinct values = sharded data."""
+        ids = batch["input_ids"].long()
+        weights = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
+        local = ((ids * weights).sum() % 2_147_483_647).view(1)
+        return [int(v) for v in self.accelerator.gather(local).tolist()]
+
+    # ------------------------------------------------------------------ outputs
+    def save_checkpoint(self) -> Path:
+        state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                 "scheduler": self.scheduler.state_dict(),
+                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        return ckpt.save_checkpoint(self.accelerator, self.out_dir, self.step, state,
+                                    keep=self.cfg.train.keep_checkpoints)
+
+    def save_package(self) -> Path | None:
+        """Write the draft package (weights, config, manifest with the target's identity)."""
+        acc = self.accelerator
+        module = acc.unwrap_model(self.family.module)
+        if acc.distributed_type.name == "DEEPSPEED":
+            state = acc.get_state_dict(self.family.module)  # gathers ZeRO-3 shards
+            if acc.is_main_process:
+                module.load_state_dict(state, strict=False)
+        if not acc.is_main_process:
+            acc.wait_for_everyone()
+            return None
+        pkg = self.family.save_package(
+            self.out_dir / "draft", module,
+            extra_json={"validation.json": self.final_validation,
+                        "validation_init.json": self.initial_validation,
+                        "data_report.json": self.data_report},
+            train_config=OmegaConf.to_container(self.cfg, resolve=True),
+            train_log=self.out_dir / "train_log.jsonl")
+        acc.wait_for_everyone()
+        log.info("draft package written to %s", pkg)
+        return pkg
+
+    def cleanup(self) -> None:
+        self.steplog.close()
+        self.accelerator.end_training()
+
+    def _write_json(self, name: str, obj) -> None:
+        if self.accelerator.is_main_process:
+            (self.out_dir / name).write_text(json.dumps(obj, indent=2))
+
+    def _read_json(self, name: str):
+        path = self.out_dir / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run a whole job; returns a summary (used by tests and the demo)."""
+    recipe = DistillRecipe(cfg)
+    recipe.setup()
+    try:
+        final = recipe.train()
+        pkg = recipe.save_package()
+    finally:
+        recipe.cleanup()
+    init = recipe.initial_validation or {}
+    summary = {"package": str(pkg) if pkg else None, "steps": recipe.step,
+               "alpha_hat": final["alpha_hat"], "alpha_hat_init": init.get("alpha_hat"),
+               "top1": final["top1"], "distributed_type": recipe.accelerator.distributed_type.name,
+               "num_processes": recipe.accelerator.num_processes,
+               "rank_batch_fingerprints": recipe.rank_fingerprints}
+    if recipe.accelerator.is_main_process:
+        (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info("alpha-hat per position: init %s -> trained %s",
+                 [round(a, 3) for a in summary["alpha_hat_init"] or []],
+                 [round(a, 3) for a in summary["alpha_hat"]])
+    return summary
+
+
+@hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ConfigError as err:
+        log.error("config error: %s", err)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

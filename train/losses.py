@@ -1,0 +1,346 @@
+"""Distillation losses between a teacher p (the target) and a student q (a draft).
+
+All losses are ``nn.Module``s with the same call::
+
+    loss = L(student_logits, teacher_logits, mask)
+    loss = L(student_logits, None, mask, teacher_hidden=h, lm_head_weight=W, draft_to_target=d2t)
+
+* ``student_logits`` (B, T, V_draft); ``mask`` (B, T) bool: entries with False are ignored
+  (there is no ignore_index; padding and non-assistant positions are masked out); None = all.
+* The teacher is given either as logits (B, T, V) or as final hidden states (B, T, H) plus the
+  frozen LM head weight (V, H); the latter is evaluated in chunks of ``chunk_size`` positions
+  along T (with activation checkpointing under autograd), so at most (B, chunk, V) teacher
+  probabilities exist at a time, in forward and in backward.
+* Temperature: ``p = softmax(z_p / temperature)`` and ``q = softmax(z_q / temperature)``; no
+  ``temperature**2`` factor is applied.
+* The result is the mean over masked entries (0 when the mask is empty).
+
+Reduced draft vocabulary (``draft_to_target`` (V_draft,) long, the target id of each draft id):
+the teacher is restricted to the draft ids. With ``renormalize=False`` (default) the teacher
+probabilities of the draft ids are taken from the full-vocabulary softmax and *not*
+renormalised, so the mass on ids the draft cannot propose counts as loss; TVD is then exactly the
+rejection rate of speculative sampling with that draft. With ``renormalize=True`` the teacher is
+the softmax over the draft ids only (a proper distribution; the outside mass is ignored).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+LOSS_NAMES = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data", "feature")
+
+
+def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tensor | None = None,
+                      draft_to_target: Tensor | None = None, renormalize: bool = False) -> Tensor:
+    """Teacher log-probabilities over the draft vocabulary.
+
+    Args:
+        teacher: (..., V) logits, or (..., H) hidden states when ``lm_head_weight`` is given.
+        temperature: > 0.
+        lm_head_weight: (V, H) frozen LM head, or None when ``teacher`` holds logits.
+        draft_to_target: (V_draft,) long target id of each draft id, or None (same vocabulary).
+        renormalize: with a reduced vocabulary, renormalise over the draft ids (see module doc).
+
+    Returns:
+        (..., V_draft) float32 log-probabilities (not normalised when restricted without
+        renormalising).
+    """
+    if lm_head_weight is not None:
+        logits = F.linear(teacher.to(lm_head_weight.dtype), lm_head_weight)
+    else:
+        logits = teacher
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    if draft_to_target is None:
+        return torch.log_softmax(logits, dim=-1)
+    if renormalize:
+        return torch.log_softmax(logits[..., draft_to_target], dim=-1)
+    return torch.log_softmax(logits, dim=-1)[..., draft_to_target]
+
+
+def target_to_draft_index(draft_to_target: Tensor, vocab_size: int) -> Tensor:
+    """(V,) long: the draft id of each target id, -1 where the target id is not in the draft."""
+    inv = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_to_target.device)
+    inv[draft_to_target] = torch.arange(draft_to_target.numel(), device=draft_to_target.device)
+    return inv
+
+
+# ----- pointwise terms: (N, V) log p, (N, V) log q -> (N,) ----------------------------------
+def forward_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """KL(p || q) = sum_v p (log p - log q)."""
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def reverse_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """KL(q || p) = sum_v q (log q - log p)."""
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def tvd(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """1 - sum_v min(p, q): total variation for normalised p, q; the rejection rate."""
+    return 1.0 - torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+def generalized_jsd(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
+    """beta KL(p || m) + (1 - beta) KL(q || m) with m = beta p + (1 - beta) q."""
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    return beta * forward_kl(log_p, log_m) + (1 - beta) * forward_kl(log_q, log_m)
+
+
+def _check_inputs(student_logits: Tensor, mask: Tensor, teacher_logits: Tensor | None,
+                  teacher_hidden: Tensor | None, lm_head_weight: Tensor | None) -> Tensor:
+    if (teacher_logits is None) == (teacher_hidden is None):
+        raise ValueError("give the teacher either as teacher_logits (B, T, V) or as "
+                         "teacher_hidden (B, T, H) with lm_head_weight (V, H), not both/neither")
+    if teacher_hidden is not None and lm_head_weight is None:
+        raise ValueError("teacher_hidden needs lm_head_weight (V, H), the target's LM head")
+    teacher = teacher_logits if teacher_logits is not None else teacher_hidden
+    if student_logits.dim() != 3 or mask.shape != student_logits.shape[:2]:
+        raise ValueError(f"student_logits must be (B, T, V) and mask (B, T); got "
+                         f"{tuple(student_logits.shape)} and {tuple(mask.shape)}")
+    if teacher.shape[:2] != mask.shape:
+        raise ValueError(f"teacher {tuple(teacher.shape)} and mask {tuple(mask.shape)} disagree "
+                         "on (B, T)")
+    return teacher
+
+
+class DistillLoss(nn.Module):
+    """Weighted mix of distillation terms, sharing one teacher pass per chunk.
+
+    Terms (keys of ``weights``): ``fkl`` KL(p||q), ``rkl`` KL(q||p), ``tvd``
+    1 - sum min(p, q), ``jsd`` generalised JSD with ``beta``, ``ce`` -log q(argmax p),
+    ``ce_data`` -log q(label) on the data token, ``feature`` smooth-L1 between predicted and
+    target features (EAGLE; needs ``draft_hidden``). ``ce_data`` skips entries whose label is
+    outside a reduced draft vocabulary.
+
+    Args:
+        weights: term name -> weight (terms with weight 0 are skipped).
+        temperature: distillation temperature for teacher and student (> 0).
+        beta: beta of the generalised JSD, in (0, 1).
+        renormalize: restricted-teacher choice for a reduced draft vocabulary (module doc).
+        feature_beta: smooth-L1 transition point.
+        chunk_size: positions along T per teacher chunk.
+    """
+
+    def __init__(self, weights: dict[str, float], temperature: float = 1.0,
+                 beta: float = 0.5, renormalize: bool = False, feature_beta: float = 1.0,
+                 chunk_size: int = 256) -> None:
+        super().__init__()
+        unknown = set(weights) - set(LOSS_NAMES)
+        if unknown:
+            raise ValueError(f"unknown loss terms {sorted(unknown)}; allowed: {LOSS_NAMES}")
+        if not any(float(w) != 0 for w in weights.values()):
+            raise ValueError("DistillLoss needs at least one term with a non-zero weight")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0 < beta < 1:
+            raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.weights = {k: float(v) for k, v in weights.items() if float(v) != 0}
+        self.temperature = float(temperature)
+        self.jsd_beta = float(beta)
+        self.renormalize = renormalize
+        self.chunk_size = chunk_size
+        self.feature_loss = FeatureRegressionLoss(beta=feature_beta)
+
+    def _token_terms(self) -> list[str]:
+        return [k for k in self.weights if k != "feature"]
+
+    def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
+                mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
+                lm_head_weight: Tensor | None = None, draft_to_target: Tensor | None = None,
+                labels: Tensor | None = None, draft_hidden: Tensor | None = None) -> Tensor:
+        """Scalar weighted loss; arguments as in ``forward_with_parts``."""
+        return self.forward_with_parts(
+            student_logits, teacher_logits, mask, teacher_hidden=teacher_hidden,
+            lm_head_weight=lm_head_weight, draft_to_target=draft_to_target, labels=labels,
+            draft_hidden=draft_hidden)[0]
+
+    def forward_with_parts(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
+                           mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
+                           lm_head_weight: Tensor | None = None,
+                           draft_to_target: Tensor | None = None, labels: Tensor | None = None,
+                           draft_hidden: Tensor | None = None
+                           ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Weighted loss and its parts.
+
+        Args:
+            student_logits: (B, T, V_draft).
+            teacher_logits: (B, T, V) or None.
+            mask: (B, T) bool, entries that count; None counts every entry.
+            teacher_hidden: (B, T, H) or None (then ``lm_head_weight`` (V, H) is required).
+            lm_head_weight: (V, H) the target's LM head.
+            draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
+            labels: (B, T) long target ids (for ``ce_data``).
+            draft_hidden: (B, T, H) predicted features (for ``feature``; target = teacher_hidden).
+
+        Returns:
+            ``(total, parts)``: scalar weighted sum, and each unweighted term (detached).
+        """
+        if mask is None:
+            mask = torch.ones(student_logits.shape[:2], dtype=torch.bool,
+                              device=student_logits.device)
+        teacher = _check_inputs(student_logits, mask, teacher_logits, teacher_hidden,
+                                lm_head_weight)
+        mask = mask.bool()
+        n = mask.sum().clamp(min=1).float()
+        terms = self._token_terms()
+        inv = None
+        if "ce_data" in terms:
+            if labels is None:
+                raise ValueError("the ce_data term needs labels (B, T) of target ids")
+            if draft_to_target is not None:
+                vocab = lm_head_weight.shape[0] if lm_head_weight is not None else teacher.shape[-1]
+                inv = target_to_draft_index(draft_to_target, vocab)
+        labels_t = labels if labels is not None else torch.zeros_like(mask, dtype=torch.long)
+
+        def chunk_fn(s: Tensor, t: Tensor, m: Tensor, lab: Tensor) -> Tensor:
+            with torch.no_grad():
+                log_p = teacher_log_probs(t, self.temperature, lm_head_weight, draft_to_target,
+                                          self.renormalize)
+            z_q = s.float() if self.temperature == 1.0 else s.float() / self.temperature
+            log_q = torch.log_softmax(z_q, dim=-1)
+            out = []
+            for name in terms:
+                if name == "fkl":
+                    v = forward_kl(log_p, log_q)
+                elif name == "rkl":
+                    v = reverse_kl(log_p, log_q)
+                elif name == "tvd":
+                    v = tvd(log_p, log_q)
+                elif name == "jsd":
+                    v = generalized_jsd(log_p, log_q, self.jsd_beta)
+                elif name == "ce":
+                    v = -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
+                else:  # ce_data
+                    ids = inv[lab] if inv is not None else lab
+                    ok = m & (ids >= 0)
+                    v = -log_q.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+                    out.append(torch.where(ok, v, 0.0).sum())
+                    out.append(ok.sum().float())
+                    continue
+                out.append(torch.where(m, v, 0.0).sum())
+            return torch.stack(out)
+
+        parts: dict[str, Tensor] = {}
+        total = student_logits.new_zeros((), dtype=torch.float32)
+        if terms:
+            sums = torch.zeros(len(terms) + ("ce_data" in terms), device=student_logits.device)
+            # torch.split (not slicing): its backward concatenates the chunk gradients once
+            # instead of materialising a full-size zero gradient per chunk. Chunks are
+            # recomputed in backward (checkpointed) only on the memory-bounded path, where the
+            # teacher comes from hidden states through the LM head.
+            cs = self.chunk_size
+            recompute = teacher_logits is None and torch.is_grad_enabled() \
+                and student_logits.requires_grad
+            for args in zip(student_logits.split(cs, 1), teacher.split(cs, 1), mask.split(cs, 1),
+                            labels_t.split(cs, 1)):
+                if not bool(args[2].any()):
+                    continue
+                if recompute:
+                    sums = sums + checkpoint(chunk_fn, *args, use_reentrant=False)
+                else:
+                    sums = sums + chunk_fn(*args)
+            i = 0
+            for name in terms:
+                if name == "ce_data":
+                    value = sums[i] / sums[i + 1].clamp(min=1)
+                    i += 2
+                else:
+                    value = sums[i] / n
+                    i += 1
+                parts[name] = value.detach()
+                total = total + self.weights[name] * value
+        if "feature" in self.weights:
+            if draft_hidden is None or teacher_hidden is None:
+                raise ValueError("the feature term needs draft_hidden and teacher_hidden (B, T, H)")
+            value = self.feature_loss(draft_hidden, teacher_hidden, mask)
+            parts["feature"] = value.detach()
+            total = total + self.weights["feature"] * value
+        return total, parts
+
+
+class _SingleTerm(nn.Module):
+    """One distillation term; see the module docstring for the call and shapes."""
+
+    term = ""
+
+    def __init__(self, temperature: float = 1.0, renormalize: bool = False,
+                 chunk_size: int = 256, **kw: float) -> None:
+        super().__init__()
+        self.mix = DistillLoss({self.term: 1.0}, temperature=temperature,
+                               renormalize=renormalize, chunk_size=chunk_size, **kw)
+
+    def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
+                mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
+                lm_head_weight: Tensor | None = None, draft_to_target: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
+        """Scalar mean of the term over masked entries (see ``DistillLoss.forward_with_parts``)."""
+        return self.mix(student_logits, teacher_logits, mask, teacher_hidden=teacher_hidden,
+                        lm_head_weight=lm_head_weight, draft_to_target=draft_to_target,
+                        labels=labels)
+
+
+class ForwardKLLoss(_SingleTerm):
+    """KL(p || q), mass-covering."""
+
+    term = "fkl"
+
+
+class ReverseKLLoss(_SingleTerm):
+    """KL(q || p), mode-seeking."""
+
+    term = "rkl"
+
+
+class TVDLoss(_SingleTerm):
+    """1 - sum_v min(p, q): the expected rejection rate of speculative sampling."""
+
+    term = "tvd"
+
+
+class JSDLoss(_SingleTerm):
+    """Generalised JSD: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q."""
+
+    term = "jsd"
+
+    def __init__(self, beta: float = 0.5, temperature: float = 1.0, renormalize: bool = False,
+                 chunk_size: int = 256) -> None:
+        super().__init__(temperature, renormalize, chunk_size, beta=beta)
+
+
+class HardCELoss(_SingleTerm):
+    """-log q(y): y is the teacher's argmax (``on="teacher"``) or the data token (``on="data"``)."""
+
+    def __init__(self, on: str = "teacher", temperature: float = 1.0, renormalize: bool = False,
+                 chunk_size: int = 256) -> None:
+        if on not in ("teacher", "data"):
+            raise ValueError(f"HardCELoss(on=...) must be 'teacher' or 'data', got {on!r}")
+        self.term = "ce" if on == "teacher" else "ce_data"
+        super().__init__(temperature, renormalize, chunk_size)
+
+
+class FeatureRegressionLoss(nn.Module):
+    """Smooth-L1 between predicted and target features, averaged over H and masked entries.
+
+    Args:
+        beta: smooth-L1 transition point.
+    """
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        self.beta = beta
+
+    def forward(self, pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+        """pred, target (B, T, H); mask (B, T) bool -> scalar."""
+        if pred.shape != target.shape or pred.shape[:2] != mask.shape:
+            raise ValueError(f"pred {tuple(pred.shape)}, target {tuple(target.shape)} and mask "
+                             f"{tuple(mask.shape)} must be (B, T, H), (B, T, H), (B, T)")
+        per = F.smooth_l1_loss(pred.float(), target.float(), reduction="none",
+                               beta=self.beta).mean(-1)  # (B, T)
+        mask = mask.bool()
+        return torch.where(mask, per, 0.0).sum() / mask.sum().clamp(min=1)

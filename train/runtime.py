@@ -1,0 +1,166 @@
+"""Process-level plumbing of the recipe: the Accelerator, data loaders, schedule and logging.
+
+The Accelerator is built so that the launcher really runs what the config says. Several obvious
+recipes run the wrong thing silently on a machine without CUDA (two independent rank-0 processes,
+DeepSpeed quietly dropped, FSDP never applied); ``make_accelerator`` picks the working recipe and
+then *checks* the distributed type and world size against ``cfg.launcher``, failing with the
+command to use when they differ.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Subset
+
+from train.config import ConfigError
+
+log = logging.getLogger("draftsmith.distill")
+
+
+def make_accelerator(cfg: DictConfig):
+    """Build the Accelerator for the launcher in ``cfg.launcher`` and verify what was launched."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    use_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    has_cuda = torch.cuda.is_available()
+    kwargs: dict = {}
+    handlers = []
+    if not has_cuda and world > 1:
+        if use_fsdp or "FSDP" in cfg.launcher.distributed_type:
+            raise ConfigError(
+                "launcher=fsdp: accelerate applies FSDP only on CUDA devices; on CPU it would run "
+                "plain or wrong data parallelism. Use launcher=ddp or launcher=deepspeed_zero2 here")
+        if use_deepspeed:
+            # gloo process group; Accelerator(cpu=True) would silently drop DeepSpeed.
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        else:
+            kwargs["cpu"] = True  # real DDP over gloo
+    mp = cfg.train.mixed_precision
+    if mp == "fp16" and not has_cuda:
+        raise ConfigError("train.mixed_precision=fp16 needs CUDA; use bf16 or no on this machine")
+    log_with = None if cfg.logging.log_with == "none" else cfg.logging.log_with
+    if log_with == "wandb":
+        os.environ.setdefault("WANDB_MODE", cfg.logging.get("mode", "offline"))
+        os.environ.setdefault("WANDB_DIR", str(Path(cfg.out_dir).resolve()))
+        os.environ.setdefault("WANDB_CACHE_DIR", str(Path(cfg.out_dir).resolve() / "wandb-cache"))
+    acc = Accelerator(gradient_accumulation_steps=cfg.train.grad_accum, mixed_precision=mp,
+                      log_with=log_with, project_dir=cfg.out_dir, kwargs_handlers=handlers, **kwargs)
+    _check_launch(cfg, acc)
+    return acc
+
+
+def _check_launch(cfg: DictConfig, acc) -> None:
+    launcher = cfg.launcher
+    dtype = acc.distributed_type.name
+    if dtype not in list(launcher.distributed_type):
+        raise ConfigError(
+            f"launcher={launcher.name} expects distributed type {list(launcher.distributed_type)} but "
+            f"accelerate launched {dtype} with {acc.num_processes} process(es). Launch with: "
+            f"accelerate launch --config_file {launcher.accelerate_config} train/distill.py "
+            f"launcher={launcher.name}")
+    if launcher.num_processes is not None and acc.num_processes != launcher.num_processes:
+        raise ConfigError(
+            f"launcher={launcher.name} expects {launcher.num_processes} processes but "
+            f"{acc.num_processes} were launched; pass --num_processes {launcher.num_processes} or "
+            f"launcher.num_processes={acc.num_processes}")
+
+
+def make_epoch_loader(dataset, batch_size: int, seed: int, epoch: int, shuffle: bool, accelerator,
+                      skip: int = 0, drop_last: bool = True):
+    """A prepared DataLoader over one epoch in a fixed order (seed, epoch) -> permutation.
+
+    Every process computes the same permutation; accelerate shards its batches across processes.
+    ``skip`` resumes mid-epoch exactly where a checkpoint was taken.
+    """
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    from data.features import collate_features
+
+    n = len(dataset)
+    if shuffle:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(n, generator=gen).tolist()
+    else:
+        order = list(range(n))
+    loader = DataLoader(Subset(dataset, order), batch_size=batch_size, shuffle=False,
+                        collate_fn=collate_features, drop_last=drop_last)
+    # The module-level helpers shard without registering the loader with the Accelerator, so
+    # checkpoints hold no per-loader sampler state (the data position is ours: epoch, batch).
+    loader = prepare_data_loader(loader, device=accelerator.device,
+                                 num_processes=accelerator.num_processes,
+                                 process_index=accelerator.process_index, put_on_device=True)
+    if skip:
+        loader = skip_first_batches(loader, skip)
+    return loader
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Linear warm-up to the peak lr, then cosine decay to ``min_lr_ratio`` of it."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class StepLog:
+    """Rank-0 logging: ``train_log.jsonl`` always, plus the configured tracker and a progress bar."""
+
+    def __init__(self, accelerator, cfg: DictConfig, out_dir: Path):
+        self.acc = accelerator
+        self.path = Path(out_dir) / "train_log.jsonl"
+        if cfg.logging.log_with != "none":
+            config = OmegaConf.to_container(cfg, resolve=True)
+            flat = {k: v for k, v in _flatten(config).items() if isinstance(v, (int, float, str, bool))}
+            accelerator.init_trackers(cfg.logging.project, config=flat,
+                                      init_kwargs={"wandb": {"name": cfg.name}})
+
+    def progress(self, total: int, initial: int):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, desc="distill", unit="step",
+                    disable=not self.acc.is_main_process, dynamic_ncols=True)
+
+    def _write(self, record: dict) -> None:
+        if self.acc.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def log_train(self, step: int, values: dict) -> None:
+        self._write({"step": step, **values})
+        self.acc.log(values, step=step)
+
+    def log_validation(self, step: int, val: dict, tag: str = "val") -> None:
+        self._write({"step": step, "tag": tag, "alpha_hat": val["alpha_hat"], "top1": val["top1"]})
+        flat = {f"{tag}/alpha_hat_pos{i + 1}": a for i, a in enumerate(val["alpha_hat"])}
+        flat.update({f"{tag}/top1_pos{i + 1}": a for i, a in enumerate(val["top1"])})
+        self.acc.log(flat, step=step)
+        if self.acc.is_main_process:
+            log.info("step %d %s alpha-hat %s top-1 %s", step, tag,
+                     [round(a, 3) for a in val["alpha_hat"]], [round(a, 3) for a in val["top1"]])
+
+    def close(self) -> None:
+        pass
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
