@@ -39,9 +39,9 @@ from transformers.models.llama.modeling_llama import (
 
 from heads.blocks import (
     DistillTarget,
-    pack_rows,
     additive_mask,
     causal_allowed,
+    pack_rows,
     shift_left,
     shifted_labels,
     teacher_mask,

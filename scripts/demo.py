@@ -72,10 +72,10 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     exp = json.loads(export_json.read_text())
     same = [a["output_ids"] == b["output_ids"] for a, b in zip(dec["samples"], exp["samples"])]
     s = dec["summary"]
-    fmt = lambda xs: "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
+    fmt = lambda xs: "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"
     print("\n" + "=" * 72)
     print("draftsmith demo summary")
-    print(f"  target                 SmolLM2-135M-Instruct (fp32, CPU)")
+    print("  target                 SmolLM2-135M-Instruct (fp32, CPU)")
     print(f"  data                   {data['read']['kept']} ShareGPT conversations read; "
           f"train {data['train']['tokens']} tokens, val {data['val']['tokens']} tokens")
     print(f"  feature cache          {data['train']['bytes_per_token']:.0f} bytes per token "
@@ -93,7 +93,7 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     print(f"  export reload          {sum(same)}/{len(same)} prompts decode identically from "
           "the EAGLE-layout export")
     print(f"  report                 {sweep_dir / 'report.md'} (+ PNG plots beside it)")
-    print(f"  stage times (s)        " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print("  stage times (s)        " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print("=" * 72)
 
 

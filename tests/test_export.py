@@ -301,3 +301,28 @@ def test_medusa_export_round_trip_gives_identical_greedy_decoding(tmp_path):
     assert results[0].output_ids == results[1].output_ids
     assert results[0].stats.accepted_at == results[1].stats.accepted_at  # same proposals accepted
     assert results[0].stats.drafted == results[1].stats.drafted > 0
+
+
+@pytest.mark.real
+def test_hf_export_of_a_real_draft_lm_is_an_assistant_model_for_smollm2(real_target, tmp_path):
+    """On the real target: package -> format=hf -> transformers alone -> assistant_model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from heads.draft_lm import DraftLMConfig, build_draft_lm
+    from heads.package import save_package
+    from scripts.export import export_package
+
+    model, tok = real_target.model, real_target.tokenizer
+    cfg = DraftLMConfig.matching(model.config, 2, init="target")
+    draft = build_draft_lm(cfg, model)
+    pkg = save_package(tmp_path / "pkg", "lm", draft, cfg, real_target.identity, tokenizer=tok)
+    out = export_package(pkg, "hf", tmp_path / "hf", target=real_target)
+
+    assistant = AutoModelForCausalLM.from_pretrained(out)  # transformers alone, no draftsmith
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == tok.get_vocab()
+    msgs = [{"role": "user", "content": "Write a haiku about autumn leaves."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assisted = model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant)
+    assert assisted.tolist() == plain.tolist()

@@ -210,3 +210,21 @@ def test_expected_acceptance_sums_from_logits():
     want = expected_acceptance(zp.softmax(-1), zq.softmax(-1), mask).item() * n
     assert a == pytest.approx(want, rel=1e-5)
     assert t == pytest.approx(top1_agreement(zp, zq, mask).item() * n)
+
+
+def test_tvd_equals_the_rejection_rate_of_the_decoders_verifier():
+    """TVD loss = 1 - the acceptance rate that eval.verify actually realises (K = 1 chains)."""
+    from eval.verify import verify_chain_batch
+
+    torch.manual_seed(0)
+    zp, zq = torch.randn(1, 1, 12) * 2, torch.randn(1, 1, 12) * 2
+    p, q = zp.softmax(-1)[0, 0], zq.softmax(-1)[0, 0]
+    n = 200_000
+    gen = torch.Generator().manual_seed(1)
+    draft = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=gen)  # (n, 1)
+    accepted, _ = verify_chain_batch(torch.stack([p, p]).expand(n, 2, 12), q.expand(n, 1, 12),
+                                     draft, gen)
+    rate = accepted.float().mean().item()
+    tvd = TVDLoss()(zq, zp, torch.ones(1, 1, dtype=torch.bool)).item()
+    sigma = (rate * (1 - rate) / n) ** 0.5
+    assert abs((1 - tvd) - rate) < 4 * sigma, (1 - tvd, rate, sigma)

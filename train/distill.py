@@ -26,10 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train import checkpoint as ckpt  # noqa: E402
-from train.config import ConfigError, validate_against_target, validate_config  # noqa: E402
-from train.families import build_family  # noqa: E402
-from train.runtime import (  # noqa: E402
+from train import checkpoint as ckpt
+from train.config import ConfigError, validate_against_target, validate_config
+from train.families import build_family
+from train.runtime import (
     StepLog,
     cosine_with_warmup,
     make_accelerator,
@@ -78,8 +78,8 @@ class DistillRecipe:
         validate_against_target(cfg, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)
 
         # 2. feature cache (built once by the main process; other ranks then read it)
-        from data.prepare import prepare_data
         from data.features import FeatureDataset
+        from data.prepare import prepare_data
 
         layers = OmegaConf.select(cfg, "draft.config.fuse_layers") or []
         with acc.main_process_first():
@@ -105,6 +105,11 @@ class DistillRecipe:
         self.optimizer = hydra.utils.instantiate(cfg.optim.optimizer)(params)
         self.scheduler = cosine_with_warmup(self.optimizer, cfg.optim.warmup_steps,
                                             cfg.train.max_steps, cfg.optim.min_lr_ratio)
+        plugin = getattr(acc.state, "deepspeed_plugin", None)
+        if plugin is not None:  # our loaders are not prepared by accelerate: say the batch size
+            ds = plugin.deepspeed_config
+            if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+                ds["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
         self.family.module, self.optimizer = acc.prepare(self.family.module, self.optimizer)
         self._check_deepspeed_clipping()
 

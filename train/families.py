@@ -11,9 +11,10 @@ computation as one ``forward`` call of the module they wrap.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 import torch

@@ -1,0 +1,191 @@
+"""Greedy exactness check (eval/exactness.py): tie/gap logic on tiny models, the whole check on a
+tiny target (and its failure on a broken verifier), and the check on the real target."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_chat import make_char_tokenizer
+
+from data.target import load_target
+from eval import exactness
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = [1, 5, 9, 13, 5, 9, 20]
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a short poem."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 12 plus 30?"]},
+]
+STANDIN_NAMES = {"plain", "lookup", "lm-chain@untrained", "medusa-tree@untrained",
+                 "eagle-chain@untrained", "eagle-tree@untrained"}
+
+
+def _last_hidden(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model.model(torch.tensor([ids])).last_hidden_state[0, -1]  # (H,)
+
+
+def _boost(model, ids: list[int], tokens: list[int], margin: float) -> None:
+    """Give ``tokens`` the same logit, ``margin`` above the current maximum, after ``ids``
+    (tied embeddings: the rows are also input embeddings, so ``tokens`` must not occur in ``ids``)."""
+    h = _last_hidden(model, ids)
+    with torch.no_grad():
+        top = model(torch.tensor([ids])).logits[0, -1].max()
+        row = h * (top + margin) / h.dot(h)  # row . h = top + margin
+        for t in tokens:
+            model.lm_head.weight[t] = row
+
+
+# ----------------------------------------------------------------------------- tie logic
+def test_first_divergence():
+    assert exactness.first_divergence([3, 4, 5], [3, 4, 5]) is None
+    assert exactness.first_divergence([3, 4, 5], [3, 7, 5]) == 1
+    assert exactness.first_divergence([3, 4, 5], [9]) == 0
+    assert exactness.first_divergence([3, 4], [3, 4, 2]) == 2  # prefix: the shorter's length
+    assert exactness.first_divergence([], [2]) == 0
+
+
+def test_top2_gap_is_the_full_forward_gap():
+    model = tiny_llama(seed=1)
+    gap, t1, t2 = exactness.top2_gap(model, PREFIX)
+    with torch.no_grad():
+        logits = model(torch.tensor([PREFIX])).logits[0, -1]
+    order = logits.argsort(descending=True)
+    assert (t1, t2) == (int(order[0]), int(order[1]))
+    assert gap == pytest.approx(float(logits[order[0]] - logits[order[1]]), abs=1e-6)
+    with pytest.raises(ValueError, match="at least one token"):
+        exactness.top2_gap(model, [])
+
+
+def test_divergence_at_an_exact_tie_is_a_tie():
+    model = tiny_llama(seed=2)
+    a, b, c = 60, 61, 62  # not in PREFIX
+    _boost(model, PREFIX, [a, b], margin=4.0)
+    gap, t1, t2 = exactness.top2_gap(model, PREFIX)
+    assert {t1, t2} == {a, b} and gap < 1e-5
+    info = exactness.diagnose(model, PREFIX, [a, 7, 8], [b, 9], tie_gap=1e-3)
+    assert info["index"] == 0 and info["tie"] is True
+    assert (info["reference_token"], info["output_token"]) == (a, b)
+    # picking a token outside the tied pair is never a tie, whatever the gap
+    third = exactness.diagnose(model, PREFIX, [a, 7, 8], [c, 9], tie_gap=1e-3)
+    assert third["tie"] is False and third["top2_gap"] == pytest.approx(info["top2_gap"])
+    # a threshold of zero accepts no tie at all
+    assert exactness.diagnose(model, PREFIX, [a], [b], tie_gap=0.0)["tie"] is False
+
+
+def test_divergence_with_a_clear_winner_is_not_a_tie():
+    model = tiny_llama(seed=3)
+    a = 60
+    _boost(model, PREFIX, [a], margin=3.0)
+    gap, t1, t2 = exactness.top2_gap(model, PREFIX)
+    assert t1 == a and gap == pytest.approx(3.0, rel=1e-3)
+    info = exactness.diagnose(model, PREFIX, [a, 4], [t2, 4], tie_gap=1e-3)
+    assert info["tie"] is False and info["top2"] == [a, t2]
+
+
+def test_later_divergence_uses_the_reference_prefix():
+    model = tiny_llama(seed=4)
+    ref = [30, 31, 32]
+    a, b = 60, 61
+    _boost(model, PREFIX + ref[:2], [a, b], margin=4.0)  # tie only after the first two tokens
+    info = exactness.diagnose(model, PREFIX, ref[:2] + [a], ref[:2] + [b], tie_gap=1e-3)
+    assert info["index"] == 2 and info["tie"] is True
+    memo: dict = {}
+    exactness.diagnose(model, PREFIX, ref[:2] + [a], ref[:2] + [b], 1e-3, memo)
+    assert list(memo) == [tuple(PREFIX + ref[:2])]
+    assert exactness.diagnose(model, PREFIX, ref, ref, 1e-3) is None
+
+
+def test_output_running_past_the_reference_is_not_a_tie():
+    model = tiny_llama(seed=5)
+    info = exactness.diagnose(model, PREFIX, [4, 2], [4, 2, 7], tie_gap=1e-3)
+    assert info["index"] == 2 and info["top2_gap"] is None and info["tie"] is False
+
+
+# ----------------------------------------------------------------------------- whole check, tiny
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exactness")
+    target_dir = root / "target"
+    # a wide init: a default tiny random model repeats one token, which would hide divergences
+    tiny_llama(seed=0, initializer_range=0.3).save_pretrained(target_dir)
+    make_char_tokenizer().save_pretrained(target_dir)
+    questions = root / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return {"root": root, "target": target_dir, "questions": questions,
+            "loaded": load_target(target_dir)}
+
+
+def _tiny_overrides(setup, *extra: str) -> list[str]:
+    return [f"target_path={setup['target']}", f"prompts=[{setup['questions']}]", "per_set=2",
+            "max_new_tokens=12", "k=3", "tree_topk=3", "tree_size=10", "standin_medusa_heads=3",
+            *extra]
+
+
+def test_tiny_check_passes_for_every_standin_proposer(tiny_setup):
+    out = tiny_setup["root"] / "tiny.json"
+    res = exactness.run_overrides(_tiny_overrides(tiny_setup, f"out={out}"), tiny_setup["loaded"])
+    assert set(res["proposers"]) == STANDIN_NAMES
+    for name, r in res["proposers"].items():
+        assert (r["identical"], r["total"], r["non_ties"]) == (2, 2, 0), name
+    assert res["passed"] and res["failures"] == []
+    saved = json.loads(out.read_text())
+    assert saved["passed"] and set(saved["proposers"]) == STANDIN_NAMES
+    assert {"settings", "hardware", "date", "references"} <= set(saved)
+    assert all(0 < len(v) <= 12 for v in saved["references"].values())
+    assert any(len(set(v)) > 3 for v in saved["references"].values())  # not one repeated token
+    # the stand-in draft LM copies both tiny layers: full acceptance paths are exercised too
+    assert res["proposers"]["lm-chain@untrained"]["acceptance_rate"] > 0.5
+
+
+def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monkeypatch):
+    from eval import decoder
+
+    def accept_all(p, q, draft, generator):  # broken: accepts every draft, bonus = argmax
+        return int(draft.shape[0]), int(p[-1].argmax())
+
+    monkeypatch.setattr(decoder, "verify_chain", accept_all)
+    res = exactness.run_overrides(_tiny_overrides(tiny_setup), tiny_setup["loaded"])
+    for name in ("lookup", "eagle-chain@untrained"):  # chains whose drafts are often wrong
+        broken = res["proposers"][name]
+        assert broken["non_ties"] >= 1 and broken["fraction"] < 1.0, name
+        assert any(f.startswith(f"{name}:") for f in res["failures"]), name
+    assert not res["passed"]
+    assert res["proposers"]["plain"]["identical"] == 2  # plain drafts nothing: unaffected
+
+
+def test_bad_settings_are_rejected(tiny_setup):
+    with pytest.raises(ValueError, match="min_fraction"):
+        exactness.run_overrides(_tiny_overrides(tiny_setup, "min_fraction=1.5"),
+                                tiny_setup["loaded"])
+    with pytest.raises(ValueError, match="prompts is empty"):
+        exactness.run_overrides(_tiny_overrides(tiny_setup, "prompts=[]"), tiny_setup["loaded"])
+
+
+def test_cli_exit_code_and_report(tiny_setup):
+    out = tiny_setup["root"] / "cli.json"
+    cmd = [sys.executable, str(REPO / "eval" / "exactness.py"), *_tiny_overrides(tiny_setup),
+           "per_set=1", "max_new_tokens=6", f"out={out}"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "greedy exactness" in proc.stdout
+    assert json.loads(out.read_text())["passed"] is True
+
+
+# ----------------------------------------------------------------------------- real target
+@pytest.mark.real
+def test_real_target_every_standin_proposer_is_exact(real_target):
+    res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=2",
+                                   "max_new_tokens=32", "drafts=[]"], real_target)
+    assert set(res["proposers"]) == STANDIN_NAMES
+    assert len(res["references"]) == 4
+    assert all(0 < len(v) <= 32 for v in res["references"].values())
+    for name, r in res["proposers"].items():
+        assert r["total"] == 4, name
+        assert r["non_ties"] == 0, (name, r["divergences"])
+        assert r["identical"] + r["ties"] == 4, name
