@@ -33,9 +33,9 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
 
     base_target = load_target(base)
     vocab = base_target.model.config.vocab_size
-    spec = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, seed=seed, vocab=vocab, init=initializer_range,
-                tokenizer=base_target.identity.tokenizer_sha256)
+    spec = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads, "seed": seed, "vocab": vocab, "init": initializer_range,
+            "tokenizer": base_target.identity.tokenizer_sha256}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir else default_cache_root()
     out = root / f"tiny-{key}"

@@ -281,11 +281,19 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         cfg: the ``conf/exactness.yaml`` keys.
         loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
     """
-    from data.target import load_target
-
     _validate(cfg)
+    threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    try:
+        return _run(cfg, loaded)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DictConfig, loaded: Any) -> dict:
+    from data.target import load_target
+
     sets = _prompt_sets(cfg)
     if loaded is None:
         loaded = load_target(cfg.target_path or None, dtype=getattr(torch, cfg.dtype))

@@ -166,7 +166,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Sequence[int]],
                         k_max: int = 8, max_new_tokens: int = 64, temperature: float = 0.0,
                         repeats: int = 7, seed: int = 0,
-                        tree_nodes: Sequence[int] = ()) -> dict[str, Any]:
+                        tree_nodes: Sequence[int] = (), min_reached: int = 20) -> dict[str, Any]:
     """Measure alpha_i (decoder at fixed ``k_max``) and costs, choose K*; the ``speculation.json`` dict.
 
     Args:
@@ -179,6 +179,9 @@ def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Se
         repeats: timing repetitions (medians are reported).
         seed: random seed.
         tree_nodes: tree sizes whose verify forward is also timed (``costs.t_verify_tree``).
+        min_reached: a position's alpha is trusted (and K up to it considered) only when that
+            position was reached at least this many times; later positions are reported in
+            ``alpha_all`` with their counts but K* is not chosen from them.
 
     Returns:
         ``{"k_star", "alpha", "alpha_cumulative", "expected_speedup": {K: x}, "costs": {"t_ar",
@@ -194,16 +197,23 @@ def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Se
     runs = [dec.generate(p, max_new_tokens, temperature=temperature, generator=gen).stats
             for p in prompts]
     stats = DecodeStats.merge(runs)
-    alpha = list(stats.alpha)
-    if len(alpha) < k_max:
-        raise ValueError(f"the measuring run reached only {len(alpha)} of {k_max} draft positions "
-                         f"(the draft proposes at most {len(alpha)} tokens); use k_max <= "
-                         f"{max(len(alpha), 1)}")
-    costs = measure_costs(target, proposer, prompts[0], range(k_max + 1), repeats, tree_nodes)
+    alpha_all = list(stats.alpha)
+    if len(alpha_all) < k_max:
+        raise ValueError(f"the measuring run reached only {len(alpha_all)} of {k_max} draft "
+                         f"positions (the draft proposes at most {len(alpha_all)} tokens); use "
+                         f"k_max <= {max(len(alpha_all), 1)}")
+    # Conditional alphas of rarely reached positions are noise (or 0 when never reached): only
+    # the prefix of positions reached often enough enters K*.
+    trusted = 0
+    while trusted < len(alpha_all) and stats.reached[trusted] >= min_reached:
+        trusted += 1
+    alpha = alpha_all[:max(trusted, 1)]
+    costs = measure_costs(target, proposer, prompts[0], range(len(alpha) + 1), repeats, tree_nodes)
     k_star, speedup = choose_kstar(alpha, costs["t_draft"], costs["t_verify"], costs["t_ar"])
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     return {"k_star": k_star, "expected_speedup": {str(k): v for k, v in speedup.items()},
-            "alpha": alpha, "alpha_cumulative": stats.alpha_cumulative,
+            "alpha": alpha, "alpha_cumulative": stats.alpha_cumulative[:len(alpha)],
+            "alpha_all": alpha_all, "alpha_min_reached": min_reached,
             "measured": {"k": k_max, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
                          "reached": stats.reached, "tokens": stats.tokens_generated,
                          "prompts": len(prompts), "max_new_tokens": max_new_tokens,

@@ -79,7 +79,8 @@ def test_controller_falls_back_and_probes():
 def test_measure_speculation_record():
     model = tiny_llama(seed=0, vocab=64)
     rec = measure_speculation(Target(model), DraftLMProposer(copy.deepcopy(model), 64),
-                              [[1, 5, 9, 13], [1, 7, 8]], k_max=3, max_new_tokens=9, repeats=3)
+                              [[1, 5, 9, 13], [1, 7, 8]], k_max=3, max_new_tokens=9, repeats=3,
+                              min_reached=1)
     assert rec["alpha"] == [1.0, 1.0, 1.0]  # the draft is the target itself (greedy)
     assert rec["k_star"] in range(4)
     assert set(rec["expected_speedup"]) == {"0", "1", "2", "3"}
@@ -89,6 +90,16 @@ def test_measure_speculation_record():
     assert rec["dtype"] == "float32" and "torch" in rec["versions"]
     assert rec["hardware"]["cpu"] and rec["date"]
     json.dumps(rec)  # serialisable as speculation.json
+
+
+def test_rarely_reached_positions_do_not_choose_k_star():
+    model = tiny_llama(seed=0, vocab=64)
+    rec = measure_speculation(Target(model), DraftLMProposer(copy.deepcopy(model), 64),
+                              [[1, 5, 9, 13]], k_max=3, max_new_tokens=9, repeats=2,
+                              min_reached=1000)
+    # no position was reached 1000 times: only position 1 is kept, K* is 0 or 1
+    assert len(rec["alpha"]) == 1 and len(rec["alpha_all"]) == 3
+    assert rec["k_star"] in (0, 1) and set(rec["expected_speedup"]) == {"0", "1"}
 
 
 def test_measure_speculation_times_tree_verification():

@@ -48,11 +48,11 @@ def validate_config(cfg: DictConfig) -> None:
     _one_of(cfg, "draft.kind", DRAFT_KINDS)
     _positive(cfg, "draft.num_positions")
     weights = _get(cfg, "draft.position_weights")
-    if weights is not None:
-        if len(weights) < cfg.draft.num_positions or any(w < 0 for w in weights):
-            raise ConfigError(
-                f"draft.position_weights={list(weights)} must hold {cfg.draft.num_positions} "
-                "non-negative weights (one per draft position), or be null")
+    if weights is not None and (len(weights) < cfg.draft.num_positions
+                                or any(w < 0 for w in weights)):
+        raise ConfigError(
+            f"draft.position_weights={list(weights)} must hold {cfg.draft.num_positions} "
+            "non-negative weights (one per draft position), or be null")
     _positive(cfg, "draft.feature_weight", float, allow_zero=True)
     for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum",
                 "train.eval_every", "train.save_every", "train.log_every"):

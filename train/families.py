@@ -117,7 +117,7 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
     model = target.model
     head_cfg = _head_config(cfg, model.config)
     n = int(cfg.draft.num_positions)
-    common = dict(identity=target.identity, target_config=model.config, head_config=head_cfg)
+    common = {"identity": target.identity, "target_config": model.config, "head_config": head_cfg}
     if kind == "lm":
         from heads import draft_lm
 
