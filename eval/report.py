@@ -16,7 +16,8 @@ job (written by ``eval/sweep.py`` with a ``job`` block, or straight by ``eval/de
 - per-category tau: sum of output tokens over the sum of target forwards, where a
   sample's forwards are its tokens over its tau (the definition of the overall tau).
 - trained vs served: the draft package's ``validation.json`` ``alpha_hat`` next to the
-  served conditional ``alpha`` of jobs at the same temperature; ``gap_flag`` is set when
+  served conditional ``alpha`` of jobs at the same temperature (at T = 0: validation's top-1
+  agreement, which is the greedy acceptance probability); ``gap_flag`` is set when
   ``max_i |alpha_hat_i - alpha_i| > gap_threshold``.
 - predicted speedup: ``E_K * t_AR / (K * t_draft + t_verify(K))`` with
   ``E_K = 1 + sum_{i<=K} prod_{j<=i} alpha_j``; costs from ``speculation.json`` when it has
@@ -118,6 +119,9 @@ def read_draft_info(draft: str | None) -> DraftInfo:
                 continue
             if isinstance(rec, dict):
                 info.train_log.append(rec)
+    packaged = _read_json(d / "train_log.json")  # what training stores in the package
+    if not info.train_log and isinstance(packaged, dict):
+        info.train_log = [r for r in packaged.get("records", []) if isinstance(r, dict)]
     return info
 
 
@@ -302,15 +306,24 @@ def _trained_vs_served(rows: list[dict], gap_threshold: float) -> None:
         d = r["draft"]
         if not d or d in ("none", "lookup", "prompt_lookup"):
             continue
+        if "tree" in str(r.get("draft_kind") or "") or r.get("draft_kind") == "medusa":
+            continue  # a tree's per-depth acceptance counts several candidates: not comparable
         info = infos.setdefault(d, read_draft_info(d))
         val = info.validation
         if not val or not val.get("alpha_hat"):
             continue
-        r["trained_temperature"] = val.get("temperature")
-        if r["temperature"] is None or val.get("temperature") is None or \
-                not math.isclose(float(r["temperature"]), float(val["temperature"]), abs_tol=1e-6):
-            continue
-        r["trained_alpha_hat"] = [float(a) for a in val["alpha_hat"]]
+        # At T = 0 the served acceptance of a position is the chance that the draft's argmax is
+        # the target's: validation's top-1 agreement. At T > 0 it is alpha-hat, when training
+        # validated at that temperature.
+        if r["temperature"] is not None and float(r["temperature"]) == 0.0 and val.get("top1"):
+            r["trained_temperature"] = 0.0
+            r["trained_alpha_hat"] = [float(a) for a in val["top1"]]
+        else:
+            r["trained_temperature"] = val.get("temperature")
+            if r["temperature"] is None or val.get("temperature") is None or not math.isclose(
+                    float(r["temperature"]), float(val["temperature"]), abs_tol=1e-6):
+                continue
+            r["trained_alpha_hat"] = [float(a) for a in val["alpha_hat"]]
         n = min(len(r["alpha"]), len(r["trained_alpha_hat"]))
         if n == 0:
             continue
@@ -389,7 +402,9 @@ def write_markdown(rows, cats, errors, plot_files, gap_threshold, path: Path) ->
             lines += ["", (f"**{len(flagged)} job(s) serve an acceptance more than {gap_threshold} "
                            "away from the training-time estimate: a bug or a data shift.**")]
     else:
-        lines.append("No job ran a checkpoint with validation.json at its validation temperature.")
+        lines.append("No chain job ran a checkpoint with validation.json at its validation "
+                     "temperature (or at T = 0, compared with validation top-1 agreement). Tree "
+                     "jobs are not compared: their per-depth acceptance counts several candidates.")
     head = _headline(rows)
     by_job = defaultdict(dict)
     for c in cats:
