@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from data.target import TargetIdentity, TargetMismatchError
+from data.target import TargetIdentity, TargetMismatchError, sha256_file
 
 FORMAT_VERSION = 1
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,14 +42,6 @@ class FeatureCacheError(ValueError):
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def inputs_fingerprint(rows: Sequence[dict]) -> str:
@@ -196,7 +188,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
         chunk = rows[k * shard_size:(k + 1) * shard_size]
         shards.append({"file": shard_name(k), "sequences": len(chunk),
                        "tokens": int(sum(len(r["input_ids"]) for r in chunk)),
-                       "sha256": _sha256_file(out / shard_name(k))})
+                       "sha256": sha256_file(out / shard_name(k))})
     hidden = target.identity.hidden_size
     elem = torch.finfo(DTYPES[dtype]).bits // 8
     manifest = {**{k: spec[k] for k in ("format_version", "target", "layers", "dtype",
@@ -224,7 +216,7 @@ def verify_cache(cache_dir: str | Path) -> None:
     m = read_manifest(cache_dir)
     for s in m["shards"]:
         p = Path(cache_dir) / s["file"]
-        if not p.exists() or _sha256_file(p) != s["sha256"]:
+        if not p.exists() or sha256_file(p) != s["sha256"]:
             raise FeatureCacheError(f"shard {p} is missing or does not match its sha256")
 
 

@@ -89,7 +89,8 @@ class LoadedTarget:
     path: Path | None = None
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks (the one file hash used across draftsmith)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -126,7 +127,7 @@ def weights_sha256(model_dir: Path) -> str:
         raise TargetNotFoundError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {model_dir}")
     h = hashlib.sha256()
     for p in files:
-        h.update(p.name.encode() + b"\0" + _sha256_file(p).encode())
+        h.update(p.name.encode() + b"\0" + sha256_file(p).encode())
     return h.hexdigest()
 
 
@@ -256,7 +257,7 @@ def _load_hf(source: str | Path, dtype: torch.dtype, identity: TargetIdentity | 
 def _load_gguf(gguf: Path, dtype: torch.dtype, cache_dir: Path | None, name: str) -> LoadedTarget:
     if not _is_gguf(gguf):
         raise TargetNotFoundError(f"{gguf} is not a GGUF file (missing 'GGUF' magic bytes)")
-    sha = _sha256_file(gguf)
+    sha = sha256_file(gguf)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     out = root / sha[:16]
     if not (out / IDENTITY_FILE).exists():

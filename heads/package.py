@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from data.target import TargetMismatchError, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,6 @@ class PackageIntegrityError(RuntimeError):
             "allow_unverified=True.")
 
 
-try:  # one error type for the whole project when the target module provides it
-    from data.target import TargetMismatchError  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on which parts are present
-    class TargetMismatchError(ValueError):  # type: ignore[no-redef]
-        """A draft was trained for another target model or tokenizer."""
-
-
 @dataclass
 class DraftPackage:
     """A loaded draft package.
@@ -94,13 +88,6 @@ class DraftPackage:
 
 
 # ----------------------------------------------------------------------------- hashing / manifest
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _listed_files(root: Path) -> list[str]:

@@ -92,7 +92,7 @@ def test_cached_fp32_target_matches_the_gguf_model(real_target):
                                                dtype=torch.float32).eval()
     ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ident_ = real_target.identity
-    assert ident_.weights_sha256 == tg._sha256_file(gguf)
+    assert ident_.weights_sha256 == tg.sha256_file(gguf)
     assert ident_.tokenizer_sha256 == tokenizer_sha256(ref_tok) \
         == tokenizer_sha256(real_target.tokenizer)
     assert (ident_.vocab_size, ident_.hidden_size, ident_.num_layers) == (49152, 576, 30)
