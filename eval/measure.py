@@ -40,6 +40,7 @@ MEASURE_DEFAULTS = {
     "k": None,               # unused here (K* is the output)
     "k_measure": 8,          # fixed draft length of the alpha run and the largest K considered
     "repeats": 7,            # timing repetitions per cost (medians are written)
+    "min_reached": 20,       # a position's alpha enters K* only if reached this often
     "rerun": True,           # decode again at K* and plainly to record the measured speedup
     "write": True,           # write speculation.json into the package (false = print only)
 }
@@ -124,7 +125,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     rec = measure_speculation(target, proposer, [r["prompt_ids"] for r in records], k_max=k_max,
                               max_new_tokens=int(cfg.max_new_tokens),
                               temperature=float(cfg.temperature), repeats=int(cfg.repeats),
-                              seed=int(cfg.seed), tree_nodes=_tree_nodes(pkg.kind, cfg, pkg.head_config))
+                              seed=int(cfg.seed), tree_nodes=_tree_nodes(pkg.kind, cfg, pkg.head_config),
+                              min_reached=int(cfg.min_reached))
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if cfg.rerun:
         rec["measured_speedup"] = rerun_at_kstar(model, proposer, records, cfg, rec["k_star"], eos)

@@ -109,7 +109,7 @@ def test_measure_writes_a_verified_speculation_json_that_decode_uses(setup, tmp_
     shutil.copytree(setup["lm"], pkg)
     rec = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
                                  f"prompts={setup['questions']}", "limit=2", "max_new_tokens=10",
-                                 "temperature=0", "k_measure=3", "repeats=2"])
+                                 "temperature=0", "k_measure=3", "repeats=2", "min_reached=1"])
     on_disk = json.loads((pkg / "speculation.json").read_text())
     assert on_disk == json.loads(json.dumps(rec))
     loaded = load_package(pkg)  # manifest still verifies
