@@ -343,7 +343,6 @@ class DistillRecipe:
         return pkg
 
     def cleanup(self) -> None:
-        self.steplog.close()
         self.accelerator.end_training()
 
     def _write_json(self, name: str, obj) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,6 @@ class Family:
     tokenizer: Any = None
     target_config: Any = None
     draft_to_target: Tensor | None = None  # (V_draft,) target id of each draft id, reduced vocab
-    extra_save: dict = field(default_factory=dict)
 
     def forward(self, batch: dict) -> list[DistillTarget]:
         hidden = batch["hidden"].float()

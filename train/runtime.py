@@ -154,9 +154,6 @@ class StepLog:
             log.info("step %d %s alpha-hat %s top-1 %s", step, tag,
                      [round(a, 3) for a in val["alpha_hat"]], [round(a, 3) for a in val["top1"]])
 
-    def close(self) -> None:
-        pass
-
 
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
