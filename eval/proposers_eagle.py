@@ -150,9 +150,8 @@ class EagleProposer(Proposer):
         hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
         fed: list[int] = []  # nodes fed to the head, in cache order
 
-        def add_children(parent: int, hidden: torch.Tensor, base: float, d: int) -> list[int]:
-            logp = torch.log_softmax(self._logits(hidden.view(1, 1, -1))[0, 0], dim=-1)  # (Vd,)
-            top = torch.topk(logp, min(self.topk, logp.shape[-1]))
+        def add_children(parent: int, logp: torch.Tensor, base: float, d: int) -> list[int]:
+            top = torch.topk(logp, min(self.topk, logp.shape[-1]))  # logp: (Vd,) log-probs
             ids = self._to_target(top.indices)
             new = []
             for lp, tid in zip(top.values.tolist(), ids.tolist()):
@@ -163,7 +162,11 @@ class EagleProposer(Proposer):
                 depths.append(d)
             return new
 
-        frontier = add_children(-1, root_hidden[0, 0], 0.0, 1)
+        def log_probs(hidden: torch.Tensor) -> torch.Tensor:
+            """``(n, H)`` head outputs -> ``(n, Vd)`` log-probs, one LM-head call for all rows."""
+            return torch.log_softmax(self._logits(hidden.unsqueeze(0))[0], dim=-1)
+
+        frontier = add_children(-1, log_probs(root_hidden[0])[0], 0.0, 1)
         for d in range(2, depth + 1):
             expand = sorted(frontier, key=lambda j: -scores[j])[: self.topk]
             feats = torch.stack([root_hidden[0, 0] if parents[j] < 0 else hidden_of[parents[j]]
@@ -183,10 +186,11 @@ class EagleProposer(Proposer):
             pos = torch.tensor([[self.n_true + depths[j] - 1 for j in expand]], device=self.device)
             out = self.head(feats, ids, past_key_values=self.cache, position_ids=pos,
                             attention_mask=mask.view(1, 1, *mask.shape).to(self.device))  # (1, n, H)
+            logp = log_probs(out[0])  # (n, Vd)
             frontier = []
             for row, j in enumerate(expand):
                 hidden_of[j] = out[0, row]
-                frontier.extend(add_children(j, out[0, row], scores[j], d))
+                frontier.extend(add_children(j, logp[row], scores[j], d))
         cached = int(self.cache.get_seq_length())
         if cached > self.n_true:
             self.cache.crop(self.n_true - cached)
