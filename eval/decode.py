@@ -141,18 +141,28 @@ def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
     raise ValueError(f"unknown draft kind {pkg.kind!r} in {draft}")
 
 
-def resolve_k(k: Any, speculation: Mapping | None) -> tuple[int, str]:
+def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
+              device: str | None = None) -> tuple[int, str]:
     """The draft length to start from and where it came from.
 
     ``k`` given -> ``(k, "config")``; ``k`` null -> K* of ``speculation.json`` when it has one
-    (``"speculation.json"``), else ``(DEFAULT_K, "default")``.
+    and was measured for this ``dtype`` and device type (``"speculation.json"``), else
+    ``(DEFAULT_K, "default ...")`` with the reason: costs measured in another dtype or on another
+    device say nothing about the best K here.
     """
     if k is not None:
         return int(k), "config"
-    k_star = (speculation or {}).get("k_star")
-    if isinstance(k_star, int) and not isinstance(k_star, bool) and k_star >= 0:
-        return k_star, "speculation.json"
-    return DEFAULT_K, "default"
+    spec = speculation or {}
+    k_star = spec.get("k_star")
+    if not (isinstance(k_star, int) and not isinstance(k_star, bool) and k_star >= 0):
+        return DEFAULT_K, "default"
+    spec_dtype = spec.get("dtype")
+    spec_device = str((spec.get("hardware") or {}).get("device", "cpu"))
+    if dtype is not None and spec_dtype is not None and spec_dtype != dtype:
+        return DEFAULT_K, f"default (K* in speculation.json is for {spec_dtype})"
+    if device is not None and torch.device(spec_device).type != torch.device(device).type:
+        return DEFAULT_K, f"default (K* in speculation.json is for {spec_device})"
+    return k_star, "speculation.json"
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -210,7 +220,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     proposer, kind = build_proposer(cfg, loaded, int(model.config.vocab_size), pkg)
     target = Target(model, proposer.layer_ids)
     eos = model.generation_config.eos_token_id if model.generation_config else None
-    k, k_source = resolve_k(cfg.k, pkg.speculation if pkg is not None else None)
+    k, k_source = resolve_k(cfg.k, pkg.speculation if pkg is not None else None, cfg.dtype,
+                            cfg.device)
     if kind == "plain":
         k, k_source = 0, "plain"
     dec = SpeculativeDecoder(target, proposer, k=k, k_max=cfg.k_max, adaptive=bool(cfg.adaptive_k),

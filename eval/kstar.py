@@ -81,6 +81,27 @@ def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device | Non
     return statistics.median(times)
 
 
+@torch.inference_mode()
+def forward_costs(target: Target, widths: Sequence[int], repeats: int = 7,
+                  token: int = 0) -> dict[int, float]:
+    """Median seconds of one cached target forward over ``w`` new tokens, for each width ``w``.
+
+    The target must already hold a context (after :meth:`Target.prefill`); the cache is left as
+    it was. Width 1 is a plain decoding step; width ``K + 1`` verifies ``K`` drafts.
+    """
+    n = target.seq_len
+    if n == 0:
+        raise ValueError("forward_costs needs a prefilled target: the forwards attend to a context")
+
+    def forward(w: int) -> None:
+        target.extend(torch.full((w,), int(token), dtype=torch.long))
+        target.crop(n)
+
+    widths = sorted({int(w) for w in widths})
+    forward(widths[-1])  # warm-up
+    return {w: _median_time(lambda w=w: forward(w), repeats, target.device) for w in widths}
+
+
 def _tree_parents(n: int, branching: int) -> torch.Tensor:
     """``(n,)`` parents of a full ``branching``-ary tree in breadth-first order (root's = -1)."""
     return torch.tensor([-1] + [(j - 1) // branching for j in range(1, n)], dtype=torch.long)
@@ -106,16 +127,12 @@ def measure_costs(target: Target, proposer: Proposer, prompt_ids: Sequence[int],
     first = int(out.logits[-1].argmax())
     dev = target.device
 
-    def forward(k: int) -> None:
-        target.extend(torch.tensor([first] * (k + 1)))
-        target.crop(n)
-
     def forward_tree(nodes: int) -> None:
         target.forward_tree(torch.full((nodes + 1,), first), _tree_parents(nodes + 1, tree_branching))
         target.crop(n)
 
-    forward(max(ks))  # warm-up
-    t_verify = {k: _median_time(lambda k=k: forward(k), repeats, dev) for k in sorted(set(ks) | {0})}
+    t_fwd = forward_costs(target, [k + 1 for k in set(ks) | {0}], repeats, first)
+    t_verify = {w - 1: t for w, t in t_fwd.items()}
     t_tree = {m: _median_time(lambda m=m: forward_tree(m), repeats, dev) for m in sorted(set(tree_nodes))}
     k_max = max(max(ks), 1)
     ctx = DecodeContext(prompt + [first], Sampling(0.0))

@@ -19,6 +19,7 @@ lookup, draft LM) plus Medusa; EAGLE lives in :mod:`eval.proposers_eagle`.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -188,13 +189,17 @@ class DraftLMProposer(Proposer):
         self._base: int | None = None  # committed length when the last proposal was drafted
         self._fed_drafts = 0
         self._cache_kw = cache_kwarg(model)
+        # only the last position's logits are used: skip the LM head elsewhere (the first call
+        # feeds the whole prompt) where the model's forward supports it
+        self._keep = ({"logits_to_keep": 1} if "logits_to_keep" in
+                      inspect.signature(model.forward).parameters else {})
 
     def _cached(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     def _step(self, ids: Sequence[int]) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
-        out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True)
+        out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True, **self._keep)
         return fit_vocab(out.logits[0, -1].float(), self.vocab_size)  # (V,)
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:

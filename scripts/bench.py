@@ -85,18 +85,20 @@ def note(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- decoding
 def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int | None,
-          tree: str) -> dict:
+          tree: str, adaptive: bool | None = None) -> dict:
+    adaptive = bool(cfg.adaptive_k) if adaptive is None else adaptive
     dcfg = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE), {
         "draft": draft, "prompts": str(repo_path(cfg.questions)), "limit": int(cfg.limit),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(temperature), "k": k,
-        "adaptive_k": bool(cfg.adaptive_k), "fallback": bool(cfg.adaptive_k), "tree": tree,
+        "adaptive_k": adaptive, "fallback": adaptive, "tree": tree,
         "tree_topk": int(cfg.tree_topk), "tree_size": int(cfg.tree_size),
         "medusa_branching": list(cfg.medusa_branching), "baseline": False, "dtype": cfg.dtype,
         "device": cfg.device, "seed": int(cfg.seed), "out": None})
     return decode.run(dcfg, loaded)
 
 
-def package_k(path: str | None, k: int | None) -> tuple[int, str]:
+def package_k(path: str | None, k: int | None, dtype: str | None = None,
+              device: str | None = None) -> tuple[int, str]:
     """K for a package: ``k`` when set, else its measured K* (``speculation.json``), else 4.
 
     A measured K* of 0 (plain decoding wins) would turn the draft's methods into plain decoding,
@@ -104,7 +106,7 @@ def package_k(path: str | None, k: int | None) -> tuple[int, str]:
     """
     spec = repo_path(path) / "speculation.json" if path else None
     speculation = json.loads(spec.read_text()) if spec is not None and spec.is_file() else None
-    k_used, source = decode.resolve_k(k, speculation)
+    k_used, source = decode.resolve_k(k, speculation, dtype, device)
     if k_used == 0:
         return decode.DEFAULT_K, "default (measured K*=0)"
     return k_used, source
@@ -124,7 +126,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             note(f"{fam}={path} does not exist: skipping {fam} methods")
         else:
             drafts[fam] = str(repo_path(path))
-    k_of = {fam: package_k(path, cfg.k) for fam, path in drafts.items()}
+    k_of = {fam: package_k(path, cfg.k, cfg.dtype, cfg.device) for fam, path in drafts.items()}
     k_lm, k_src = k_of.get("lm") or package_k(None, cfg.k)
     assistant = None
     if "lm" in drafts and cfg.hf_generate:
@@ -162,6 +164,12 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                 res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
                 res["summary"]["k_source"] = k_of[fam][1]
                 ours[name] = res
+            if cfg.auto_rows and fam in ("lm", "eagle"):
+                # the decoder's defaults: K from speculation.json (else 4), adaptive K and the
+                # fallback to plain decoding when speculation is measured to be a loss
+                note(f"T={t}: ours {fam} (decode.py defaults: adaptive K + fallback)")
+                res = _ours(cfg, loaded, path, t, None, "chain", adaptive=True)
+                ours[f"{fam} adaptive+fallback"] = res
         rows.append(row("plain (ours)", plain, t, plain, hf))
         if hf is not None:
             rows.append(row("hf_generate", hf, t, plain, hf))
@@ -171,6 +179,28 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
         for name, res in ours.items():
             rows.append(row(f"ours {name}", res, t, plain, hf))
     return rows
+
+
+# ----------------------------------------------------------------------------- verify cost
+def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
+    """Target forward time per number of new tokens (1 = a plain step, K + 1 = verifying K
+    drafts), after the first question's prompt, for each dtype: what K* trades against."""
+    import copy
+
+    from eval.kstar import forward_costs
+    from eval.target_model import Target
+
+    out = []
+    for name in cfg.forward_costs.dtypes:
+        note(f"target forward cost per width ({name})")
+        model = copy.deepcopy(loaded.model).to(dtype=getattr(torch, name)).eval()
+        target = Target(model)
+        target.prefill(torch.tensor(records[0]["prompt_ids"]))
+        t = forward_costs(target, list(cfg.forward_costs.widths), int(cfg.forward_costs.repeats))
+        out.append({"dtype": name, "context_tokens": len(records[0]["prompt_ids"]),
+                    "repeats": int(cfg.forward_costs.repeats), "ms": {w: v * 1e3 for w, v in t.items()}})
+        del model, target
+    return out
 
 
 # ----------------------------------------------------------------------------- training
@@ -257,6 +287,18 @@ def write_markdown(res: dict, path: Path) -> None:
                      f"{_fmt(r['median_tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_plain'])}x | "
                      f"{_fmt(r['speedup_vs_hf_generate'])}x | {_fmt(r['tau'])} | "
                      f"{_fmt(r['acceptance_rate'])} | {_fmt(r['same_as_plain'])} |")
+    if res["forward_costs"]:
+        widths = list(res["forward_costs"][0]["ms"])
+        lines += ["", "## Target forward cost per number of new tokens", "",
+                  (f"Median of {res['forward_costs'][0]['repeats']} cached forwards after the first "
+                   f"question's {res['forward_costs'][0]['context_tokens']}-token prompt, in ms "
+                   "(ratio to 1 token). 1 token is a plain step; K + 1 tokens verify K drafts."),
+                  "", "| dtype | " + " | ".join(str(w) for w in widths) + " |",
+                  "|---|" + "---|" * len(widths)]
+        for f in res["forward_costs"]:
+            one = f["ms"][widths[0]]
+            lines.append(f"| {f['dtype']} | " + " | ".join(
+                f"{f['ms'][w]:.1f} ({f['ms'][w] / one:.2f})" for w in widths) + " |")
     if res["training"]:
         lines += ["", "## Training throughput", "",
                   "| family | steps | tokens/s | peak RSS (MiB) | wall (s) | exit |",
@@ -283,11 +325,12 @@ def run(cfg: DictConfig) -> dict:
     loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
     loaded.model.to(cfg.device).eval()
     records = decode.prompt_records(str(questions), loaded.tokenizer, int(cfg.limit))
+    forward = bench_forward_costs(cfg, loaded, records) if cfg.forward_costs.enabled else []
     decoding = bench_decoding(cfg, loaded, records)
     training = bench_training(cfg) if cfg.train.enabled else []
     res = {"config": OmegaConf.to_container(cfg, resolve=True), "prompts": str(questions),
            "n_prompts": len(records), "target": loaded.identity.to_dict(),
-           "decoding": decoding, "training": training,
+           "forward_costs": forward, "decoding": decoding, "training": training,
            "bench_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "bench_wall_s": time.perf_counter() - t0,
            "environment": environment(cfg.device),

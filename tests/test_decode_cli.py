@@ -132,6 +132,9 @@ def test_measure_writes_a_verified_speculation_json_that_decode_uses(setup, tmp_
     update_package_json(pkg, "speculation.json", {**on_disk, "k_star": 2})  # whatever K* says
     summary = _decode(setup, pkg, "limit=1", "baseline=false")["summary"]
     assert (summary["k"], summary["k_source"]) == (2, "speculation.json")
+    # a K* measured in another dtype is not this run's K*
+    summary = _decode(setup, pkg, "limit=1", "baseline=false", "dtype=bfloat16")["summary"]
+    assert summary["k"] == 4 and summary["k_source"] == "default (K* in speculation.json is for float32)"
     (pkg / "speculation.json").write_text(json.dumps({**on_disk, "k_star": 5}))  # not via update
     with pytest.raises(PackageIntegrityError, match="speculation.json"):
         _decode(setup, pkg, "limit=1")
@@ -183,18 +186,34 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
         "questions": str(setup["questions"]), "limit": 2, "max_new_tokens": 6,
         "temperatures": [0.0, 1.0], "lm": str(setup["lm"]), "eagle": str(tmp_path / "missing"),
         "k": 2, "target_path": str(setup["target"]), "out_dir": str(tmp_path / "bench"),
-        "train": {"enabled": False}})
+        "train": {"enabled": False}, "forward_costs": {"widths": [1, 3], "repeats": 2}})
     res = bench.run(cfg)
+    costs = {f["dtype"]: f["ms"] for f in res["forward_costs"]}
+    assert set(costs) == {"float32", "bfloat16"} and all(
+        set(ms) == {1, 3} and min(ms.values()) > 0 for ms in costs.values())
     assert "no medusa= package given" in capsys.readouterr().out
     methods = {(r["temperature"], r["method"]) for r in res["decoding"]}
-    expected = {"plain (ours)", "hf_generate", "hf_assisted", "hf_prompt_lookup", "ours lm"}
+    expected = {"plain (ours)", "hf_generate", "hf_assisted", "hf_prompt_lookup", "ours lm",
+                "ours lm adaptive+fallback"}
     assert methods == {(t, m) for t in (0.0, 1.0) for m in expected}
     greedy = {r["method"]: r for r in res["decoding"] if r["temperature"] == 0.0}
     assert greedy["plain (ours)"]["speedup_vs_plain"] == 1.0
     assert greedy["ours lm"]["k"] == 2 and greedy["hf_assisted"]["k"] == 2
+    assert greedy["ours lm adaptive+fallback"]["k_source"] == "default"  # no speculation.json
     assert all(r["median_tokens_per_s"] > 0 for r in res["decoding"])
     assert all(r["same_as_plain"] == 1.0 for r in greedy.values())  # greedy is lossless
     on_disk = json.loads((tmp_path / "bench" / "results.json").read_text())
     assert on_disk["n_prompts"] == 2 and on_disk["environment"]["hardware"]["cpu"]
     md = (tmp_path / "bench" / "results.md").read_text()
     assert "| 0 | ours lm | 2 (config) |" in md and "command:" in md
+    assert "## Target forward cost per number of new tokens" in md and "| bfloat16 |" in md
+
+
+def test_resolve_k_uses_k_star_only_for_the_dtype_and_device_it_was_measured_on():
+    spec = {"k_star": 3, "dtype": "float32", "hardware": {"device": "cpu"}}
+    assert decode.resolve_k(None, spec, "float32", "cpu") == (3, "speculation.json")
+    assert decode.resolve_k(None, spec, "float32", "cuda:0")[1] == \
+        "default (K* in speculation.json is for cpu)"
+    assert decode.resolve_k(None, spec, "bfloat16", "cpu")[0] == decode.DEFAULT_K
+    assert decode.resolve_k(2, spec, "bfloat16", "cpu") == (2, "config")
+    assert decode.resolve_k(None, None) == (decode.DEFAULT_K, "default")
