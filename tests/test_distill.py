@@ -183,3 +183,16 @@ def test_launcher_mismatch_is_refused(tmp_path):
                    TINY + ["launcher=ddp"], port=29631, check=False)
     assert proc.returncode != 0
     assert "launcher=ddp expects distributed type" in proc.stderr + proc.stdout
+
+
+def test_cpu_threads_default_uses_the_cores_of_this_machine(monkeypatch):
+    from train.runtime import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what `accelerate launch` exports by default
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cpu_threads(None) == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more processes than cores
+    assert cpu_threads(None) == 1
+    assert cpu_threads(3) == 3

@@ -60,6 +60,8 @@ def validate_config(cfg: DictConfig) -> None:
     _positive(cfg, "train.keep_checkpoints")
     _positive(cfg, "train.max_grad_norm", float, allow_zero=True)
     _one_of(cfg, "train.mixed_precision", MIXED_PRECISION)
+    if OmegaConf.select(cfg, "train.cpu_threads") is not None:
+        _positive(cfg, "train.cpu_threads")
     _positive(cfg, "optim.lr", float)
     _positive(cfg, "optim.warmup_steps", allow_zero=True)
     _one_of(cfg, "logging.log_with", LOG_WITH)

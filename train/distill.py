@@ -63,9 +63,9 @@ class DistillRecipe:
         torch.manual_seed(cfg.seed)
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        log.info("launcher=%s distributed_type=%s processes=%d device=%s mixed_precision=%s",
-                 cfg.launcher.name, acc.distributed_type.name, acc.num_processes, acc.device,
-                 acc.mixed_precision)
+        log.info("launcher=%s distributed_type=%s processes=%d device=%s mixed_precision=%s "
+                 "torch_threads=%d", cfg.launcher.name, acc.distributed_type.name,
+                 acc.num_processes, acc.device, acc.mixed_precision, torch.get_num_threads())
 
         # 1. target (converted once by the main process, then read from the cache by all)
         from data.target import load_target

@@ -23,6 +23,21 @@ from train.config import ConfigError
 log = logging.getLogger("draftsmith.distill")
 
 
+def cpu_threads(requested: int | None) -> int:
+    """Torch threads for this process on CPU: ``requested``, else this machine's usable cores
+    divided by the processes launched on it (at least 1).
+
+    ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` unless ``--num_cpu_threads_per_process``
+    is passed (its CPU auto-sizing only applies with ``use_cpu``), which leaves a one-process CPU
+    run on one core; the recipe sets the thread count itself instead.
+    """
+    if requested is not None:
+        return int(requested)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, (cores or 1) // max(local, 1))
+
+
 def make_accelerator(cfg: DictConfig):
     """Build the Accelerator for the launcher in ``cfg.launcher`` and verify what was launched."""
     from accelerate import Accelerator
@@ -32,6 +47,8 @@ def make_accelerator(cfg: DictConfig):
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     use_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        torch.set_num_threads(cpu_threads(cfg.train.get("cpu_threads")))
     kwargs: dict = {}
     handlers = []
     if not has_cuda and world > 1:
