@@ -114,7 +114,9 @@ class EagleProposer(Proposer):
         out = self.head(feats, ids, past_key_values=self.cache, position_ids=pos)  # (1, m, H)
         self.n_true += m
         self._pending_feats, self._pending_tokens = [], []
-        return out[:, -1:]
+        # a fresh (1, 1, H) view: the slice out[:, -1:] keeps the batch stride m * H, and torch's
+        # CPU bf16 linear then takes a path ~40x slower for the LM head (90 ms instead of 2 ms)
+        return out[0, -1].view(1, 1, -1)
 
     @torch.inference_mode()
     def propose(self, ctx: DecodeContext, k: int) -> Proposal:

@@ -230,3 +230,21 @@ def test_bad_settings_raise(target_model):
         dec.generate([1, 2], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         dec.generate([1, 2], max_new_tokens=2, temperature=1.0, top_p=0.0)
+
+
+def test_eagle_chain_feeds_the_lm_head_a_canonical_row(target_model):
+    # The LM head must see a (1, 1, H) tensor with strides (H, H, 1): a slice of a longer output
+    # keeps the batch stride T * H, which sends torch's CPU bf16 linear down a path ~40x slower.
+    prop = make_proposer("eagle", target_model)
+    seen = []
+    compute = prop.head.compute_logits
+
+    def spy(hidden):
+        seen.append(hidden.stride())
+        return compute(hidden)
+
+    prop.head.compute_logits = spy
+    SpeculativeDecoder(target_model, prop, k=2, adaptive=False, fallback=False).generate(
+        PROMPTS[1], max_new_tokens=6)
+    h = target_model.config.hidden_size
+    assert seen and all(s == (h, h, 1) for s in seen), seen
