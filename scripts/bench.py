@@ -193,7 +193,9 @@ def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> li
     out = []
     for name in cfg.forward_costs.dtypes:
         note(f"target forward cost per width ({name})")
-        model = copy.deepcopy(loaded.model).to(dtype=getattr(torch, name)).eval()
+        # the benchmark's own dtype times the loaded model itself; others time a converted copy
+        model = (loaded.model if name == cfg.dtype
+                 else copy.deepcopy(loaded.model).to(dtype=getattr(torch, name)).eval())
         target = Target(model)
         target.prefill(torch.tensor(records[0]["prompt_ids"]))
         t = forward_costs(target, list(cfg.forward_costs.widths), int(cfg.forward_costs.repeats))
