@@ -119,15 +119,17 @@ def tokenize_conversations(conversations: Iterable[Conversation], tokenizer: Any
                            max_length: int | None = None):
     """Tokenize conversations into a `datasets.Dataset` with ``id, input_ids, loss_mask``.
 
-    Conversations without any assistant token (after truncation) are dropped.
+    Conversations without any assistant token (after truncation) are dropped, and so are empty
+    ones (regeneration leaves a conversation empty when it has nothing to answer).
 
     Returns:
         ``(dataset, TokenizeReport)``.
     """
     from datasets import Dataset
 
-    convs = list(conversations)
-    report = TokenizeReport(conversations=len(convs))
+    given = list(conversations)
+    convs = [c for c in given if c.messages]
+    report = TokenizeReport(conversations=len(given))
     if not getattr(tokenizer, "is_fast", False):
         raise ChatTemplateError("assistant masks need a fast tokenizer (offsets mapping)")
     raw = Dataset.from_dict({"id": [c.id for c in convs],
@@ -142,6 +144,7 @@ def tokenize_conversations(conversations: Iterable[Conversation], tokenizer: Any
     n_assistant = np.asarray(enc["n_assistant"], dtype=np.int64)
     keep = np.nonzero(n_assistant > 0)[0]
     report.dropped["no_assistant_tokens"] = int(len(convs) - len(keep))
+    report.dropped["empty"] = len(given) - len(convs)
     enc = enc.select(keep.tolist())
     report.kept = len(enc)
     report.truncated = int(np.sum(enc["truncated"])) if len(enc) else 0

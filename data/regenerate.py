@@ -30,9 +30,11 @@ def _load_done(path: Path) -> dict[str, Conversation]:
     if len(good) != len(raw):
         with open(path, "r+b") as f:  # a killed writer left half a line
             f.truncate(len(good))
-    for line in good.decode("utf-8").splitlines():
+    # records end at b"\n" only: str.splitlines would also cut at U+2028, U+0085 and the like,
+    # which json.dumps(ensure_ascii=False) leaves unescaped inside replies
+    for line in good.split(b"\n"):
         if line.strip():
-            rec = json.loads(line)
+            rec = json.loads(line.decode("utf-8"))
             done[rec["id"]] = Conversation(id=rec["id"], messages=rec["messages"])
     return done
 

@@ -45,6 +45,7 @@ NO_DRAFT = ("none", "null", "")
 TREE_MODES = ("auto", "chain", "tree")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
+DEFAULT_TREE_SIZE = 60  # EAGLE dynamic-tree nodes when neither tree_size= nor a measured shape is given
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -135,8 +136,9 @@ def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
         return MedusaProposer(module, vocab_size, choices), "medusa"
     if pkg.kind == "eagle":
         use_tree = tree in ("auto", "tree")
+        size = cfg.tree_size if cfg.tree_size is not None else DEFAULT_TREE_SIZE
         prop = EagleProposer(module, vocab_size, tree=use_tree, topk=int(cfg.tree_topk),
-                             total_tokens=int(cfg.tree_size))
+                             total_tokens=int(size))
         return prop, prop.kind
     raise ValueError(f"unknown draft kind {pkg.kind!r} in {draft}")
 
@@ -163,6 +165,23 @@ def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
     if device is not None and torch.device(spec_device).type != torch.device(device).type:
         return DEFAULT_K, f"default (K* in speculation.json is for {spec_device})"
     return k_star, "speculation.json"
+
+
+def resolve_tree(k: Any, tree_size: Any, speculation: Mapping | None, dtype: str | None = None,
+                 device: str | None = None) -> tuple[int | None, int | None, str]:
+    """EAGLE dynamic-tree depth and size: the measured best shape of ``speculation.json``.
+
+    ``k`` / ``tree_size`` given are kept; a null one takes the measured shape when the record
+    has one for this dtype and device type. Returns ``(depth or None, size or None, source)``;
+    None leaves the chain rule (:func:`resolve_k`) and ``DEFAULT_TREE_SIZE`` in charge.
+    """
+    tree = (speculation or {}).get("tree")
+    _, source = resolve_k(None, speculation, dtype, device)
+    if not tree or source != "speculation.json":
+        return (None if k is None else int(k)), (None if tree_size is None else int(tree_size)), "config"
+    depth = int(tree["depth"]) if k is None else int(k)
+    size = int(tree["total_tokens"]) if tree_size is None else int(tree_size)
+    return depth, size, "speculation.json (tree)"
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -217,11 +236,17 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     pkg = None
     if draft.lower() not in NO_DRAFT and draft != "lookup":
         pkg = load_draft(draft, loaded)
+    spec = pkg.speculation if pkg is not None else None
+    tree_depth = None
+    if pkg is not None and pkg.kind == "eagle" and cfg.tree in ("auto", "tree"):
+        tree_depth, size, _ = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
+        cfg = OmegaConf.merge(cfg, {"tree_size": size})
     proposer, kind = build_proposer(cfg, loaded, int(model.config.vocab_size), pkg)
     target = Target(model, proposer.layer_ids)
     eos = model.generation_config.eos_token_id if model.generation_config else None
-    k, k_source = resolve_k(cfg.k, pkg.speculation if pkg is not None else None, cfg.dtype,
-                            cfg.device)
+    k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
+    if tree_depth is not None and cfg.k is None:
+        k, k_source = tree_depth, "speculation.json (tree)"
     if kind == "plain":
         k, k_source = 0, "plain"
     dec = SpeculativeDecoder(target, proposer, k=k, k_max=cfg.k_max, adaptive=bool(cfg.adaptive_k),
@@ -243,6 +268,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                "speedup": stats.tokens_per_s / base_tps if base_tps else None,
                "baseline_tokens_per_s": base_tps, "matches_baseline": matches,
                "k": k, "k_source": k_source,
+               "tree_size": (getattr(proposer, "total_tokens", None)
+                             if getattr(proposer, "tree", False) else None),
                "draft_kind": kind,
                "draft": None if kind == "plain" else str(cfg.draft), "lossless": dec.lossless,
                "device": str(target.device), "dtype": cfg.dtype,

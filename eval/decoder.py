@@ -22,7 +22,7 @@ from torch import nn
 from eval.proposers import DecodeContext, Proposal, Proposer, Sampling
 from eval.stats import DecodeStats, KController
 from eval.target_model import Target, TargetOutput
-from eval.verify import verify_chain, verify_tree, verify_tree_typical
+from eval.verify import verify_chain, verify_greedy, verify_tree, verify_tree_typical
 
 ACCEPTANCE_MODES = ("lossless", "typical")
 
@@ -140,7 +140,7 @@ class SpeculativeDecoder:
         generated: list[int] = []
 
         out = self.target.prefill(torch.tensor(prompt))
-        first = sampling.draw(sampling.warp(out.logits[-1]), generator)
+        first = sampling.sample(out.logits[-1], generator)
         stats.verify_time_s += time.perf_counter() - t_start
         done = stopper.push(generated, first)
         if not done:
@@ -206,6 +206,12 @@ class SpeculativeDecoder:
             out = self.target.extend(fed)
         else:
             out = self.target.forward_tree(fed, torch.cat([torch.tensor([-1]), proposal.parents + 1]))
+        if sampling.temperature == 0 and self.acceptance == "lossless":
+            # greedy: the one-hot rules reduce to argmax matching (same result, no (N+1, V) work)
+            parents = None if proposal.is_chain else proposal.parents
+            path, nxt = verify_greedy(out.logits.argmax(-1), proposal.tokens, parents)
+            rows = [0] + [j + 1 for j in path]
+            return path, nxt, rows, out.select(rows)
         p = sampling.warp(out.logits)  # (N+1, V)
         if proposal.is_chain:
             q = proposal.q

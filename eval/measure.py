@@ -8,7 +8,10 @@ on this machine, as medians, one plain decode step ``t_ar``, the draft's cost pe
 ``t_draft`` and the target forward over ``K + 1`` tokens ``t_verify(K)`` (and over the tree the
 draft family decodes with: the EAGLE dynamic tree's ``tree_size`` nodes, or the Medusa tree);
 (3) choose K* with :func:`eval.kstar.choose_kstar`; (4) decode the prompts again at K* and plainly,
-in this run, for the measured speedup; (5) write the record with
+in this run, for the measured speedup; (4b) for EAGLE packages, decode the prompts with the
+dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` and keep the fastest
+shape (the tree analogue of K*: how many nodes pay depends on how the target's forward cost
+grows with width on this machine); (5) write the record with
 :func:`heads.package.update_package_json` (the manifest stays valid). ``eval/decode.py`` with
 ``k=null`` then starts from this K*.
 
@@ -42,6 +45,8 @@ MEASURE_DEFAULTS = {
     "repeats": 7,            # timing repetitions per cost (medians are written)
     "min_reached": 20,       # a position's alpha enters K* only if reached this often
     "rerun": True,           # decode again at K* and plainly to record the measured speedup
+    "tree_depths": [1, 2, 3],  # EAGLE: dynamic-tree depths tried (the tree analogue of K*)
+    "tree_sizes": [8, 16, 32],  # EAGLE: dynamic-tree sizes (nodes kept after the rerank) tried
     "write": True,           # write speculation.json into the package (false = print only)
 }
 CONFIG_NAME = "draftsmith_measure"
@@ -65,7 +70,7 @@ def _validate(cfg: DictConfig) -> None:
 def _tree_nodes(kind: str, cfg: DictConfig, head_config: Any) -> list[int]:
     """Tree sizes the family decodes with (their verify forward is timed too)."""
     if kind == "eagle":
-        return [int(cfg.tree_size)]
+        return sorted({int(n) for n in cfg.tree_sizes})
     if kind == "medusa":
         return [len(medusa_choices(list(cfg.medusa_branching)))]
     return []
@@ -88,6 +93,39 @@ def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], c
             "speedup": spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
             "tau": spec.tau, "acceptance_rate": spec.acceptance_rate,
             "tokens": spec.tokens_generated, "prompts": len(records),
+            "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
+
+
+def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
+                 cfg: DictConfig, eos: Any) -> dict[str, Any]:
+    """Decode with the EAGLE dynamic tree at each (depth, size) of the grid; the fastest shape.
+
+    Plain decoding runs before and after the grid (its mean is the baseline), so a drift of the
+    machine during the grid shows as the difference of the two.
+    """
+    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
+    plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+    before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
+    grid = []
+    for size in sorted({int(n) for n in cfg.tree_sizes}):
+        tree_cfg = OmegaConf.merge(cfg, {"tree": "tree", "tree_size": size})
+        proposer, _ = build_proposer(tree_cfg, loaded, int(model.config.vocab_size), pkg)
+        for depth in sorted({int(d) for d in cfg.tree_depths}):
+            dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=depth,
+                                     adaptive=False, fallback=False)
+            dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+            st = decode_set(dec, records, cfg, eos)[1]
+            grid.append({"depth": depth, "total_tokens": size, "tokens_per_s": st.tokens_per_s,
+                         "tau": st.tau, "acceptance_rate": st.acceptance_rate})
+    after = decode_set(plain, records, cfg, eos)[1].tokens_per_s
+    base = (before + after) / 2
+    for g in grid:
+        g["speedup"] = g["tokens_per_s"] / base if base else None
+    best = max(grid, key=lambda g: g["tokens_per_s"])
+    return {"depth": best["depth"], "total_tokens": best["total_tokens"],
+            "speedup": best["speedup"], "tau": best["tau"], "baseline_tokens_per_s": base,
+            "baseline_before_after": [before, after], "grid": grid,
+            "topk": int(cfg.tree_topk), "prompts": len(records),
             "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
 
 
@@ -130,6 +168,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if cfg.rerun:
         rec["measured_speedup"] = rerun_at_kstar(model, proposer, records, cfg, rec["k_star"], eos)
+    if pkg.kind == "eagle" and cfg.tree_depths and cfg.tree_sizes:
+        rec["tree"] = measure_tree(model, loaded, pkg, records, cfg, eos)
     rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:
@@ -156,6 +196,19 @@ def print_record(rec: dict[str, Any]) -> None:
     if m.get("speedup") is not None:
         console.print(f"measured at K*={m['k']}: {m['speedup']:.2f}x "
                       f"({m['tokens_per_s']:.1f} vs {m['baseline_tokens_per_s']:.1f} tokens/s)")
+    tree = rec.get("tree")
+    if tree:
+        grid = Table(title=f"EAGLE dynamic tree: best depth {tree['depth']}, "
+                           f"{tree['total_tokens']} nodes")
+        for col in ("depth", "nodes", "tau", "tokens/s", "speedup"):
+            grid.add_column(col, justify="right")
+        for g in tree["grid"]:
+            grid.add_row(str(g["depth"]), str(g["total_tokens"]), f"{g['tau']:.2f}",
+                         f"{g['tokens_per_s']:.1f}", f"{g['speedup']:.2f}x")
+        console.print(grid)
+        console.print(f"plain decoding before / after the grid: "
+                      f"{tree['baseline_before_after'][0]:.1f} / "
+                      f"{tree['baseline_before_after'][1]:.1f} tokens/s")
 
 
 def _register_config() -> str:

@@ -49,6 +49,12 @@ class Sampling:
             return int(probs.argmax())
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from raw ``logits (V,)``: the argmax when greedy (no one-hot is built)."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        return self.draw(self.warp(logits), generator)
+
 
 @dataclass
 class DecodeContext:
@@ -216,15 +222,19 @@ class DraftLMProposer(Proposer):
         self._base = len(seq)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
+        greedy = ctx.sampling.temperature == 0
         for i in range(k):
-            q_i = ctx.sampling.warp(logits)  # (V,)
-            x = ctx.sampling.draw(q_i, ctx.generator)
+            if greedy:  # point masses on the argmax: the verifier needs no q
+                x = int(logits.argmax())
+            else:
+                q_i = ctx.sampling.warp(logits)  # (V,)
+                x = ctx.sampling.draw(q_i, ctx.generator)
+                qs.append(q_i)
             drafts.append(x)
-            qs.append(q_i)
             if i < k - 1:
                 logits = self._step([x])
         self._fed_drafts = k - 1
-        return Proposal.chain(drafts, torch.stack(qs))
+        return Proposal.chain(drafts, None if greedy else torch.stack(qs))
 
     def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
         if self._base is None:  # plain step: the cache is still a prefix of the sequence

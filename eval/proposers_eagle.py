@@ -130,17 +130,22 @@ class EagleProposer(Proposer):
     def _propose_chain(self, last: torch.Tensor, k: int, ctx: DecodeContext) -> Proposal:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
+        greedy = ctx.sampling.temperature == 0
         for i in range(k):
-            q_d = ctx.sampling.warp(self._logits(last)[0, -1])  # (Vd,)
-            x_d = ctx.sampling.draw(q_d, ctx.generator)
+            logits = self._logits(last)[0, -1]  # (Vd,)
+            if greedy:  # point masses on the argmax: the verifier needs no q
+                x_d = int(logits.argmax())
+            else:
+                q_d = ctx.sampling.warp(logits)
+                x_d = ctx.sampling.draw(q_d, ctx.generator)
+                qs.append(self._scatter_q(q_d))
             x = int(self._to_target(torch.tensor(x_d, device=self.device)))
             drafts.append(x)
-            qs.append(self._scatter_q(q_d))
             if i < k - 1:
                 ids = torch.tensor([[x]], dtype=torch.long, device=self.device)
                 pos = torch.tensor([[self.n_true + i]], device=self.device)
                 last = self.head(last, ids, past_key_values=self.cache, position_ids=pos)
-        return Proposal.chain(drafts, torch.stack(qs))
+        return Proposal.chain(drafts, None if greedy else torch.stack(qs))
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
         """EAGLE-2: expand the ``topk`` best nodes per depth by cumulative draft log-prob, then keep

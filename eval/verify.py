@@ -20,6 +20,8 @@ Lossless rules implemented here:
   ``q`` (with replacement) pass that same ``q`` for every sibling; this is also lossless.
 * At temperature 0 the warped distributions are one-hot and both rules reduce to exact greedy
   matching (accept iff the draft equals the target's argmax; the next token is the argmax).
+  :func:`verify_greedy` computes that directly from the target's argmax per row, without the
+  ``(N+1, V)`` one-hot distributions or a per-node loop over vocabulary-sized tensors.
 
 :func:`verify_tree_typical` is Medusa's typical acceptance. It is **lossy** (the output is not
 distributed as the target's samples) and reports ``lossless=False``.
@@ -227,6 +229,41 @@ def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, p
     acc, nxt = verify_tree_batch(p.unsqueeze(0), None if q is None else q.unsqueeze(0),
                                  tokens, parents, generator)
     return torch.nonzero(acc[0]).flatten().tolist(), int(nxt[0])
+
+
+def verify_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor,
+                  parents: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """Temperature-0 verification of a chain or a tree from the target's argmax per row.
+
+    Exactly what :func:`verify_chain` / :func:`verify_tree` return for one-hot (greedy)
+    distributions: walking the nodes in index order, a node is accepted when its parent is the
+    current node and its token is the target's argmax after that parent; the next token is the
+    argmax after the last accepted node.
+
+    Args:
+        target_argmax: ``(N+1,)`` target argmax per row (row 0 at the root, row ``j+1`` after
+            node ``j``).
+        tokens: ``(N,)`` node token ids.
+        parents: ``(N,)`` parent indices (``-1`` = root), topologically ordered; ``None`` = a chain.
+
+    Returns:
+        ``(path, next_token)``: accepted node indices from the root downwards, then the next token.
+    """
+    n = tokens.shape[0]
+    if target_argmax.shape != (n + 1,):
+        raise ValueError(f"target_argmax must have shape (N+1,)={(n + 1,)} for {n} nodes, got "
+                         f"{tuple(target_argmax.shape)}")
+    if parents is None:
+        parents = torch.arange(-1, n - 1)
+    _check_tree(parents, n)
+    best, toks, par = target_argmax.tolist(), tokens.tolist(), parents.tolist()
+    path: list[int] = []
+    cur = -1
+    for j in range(n):
+        if par[j] == cur and toks[j] == best[cur + 1]:
+            path.append(j)
+            cur = j
+    return path, int(best[cur + 1])
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval import decode
 from eval.kstar import environment
+from eval.stats import DecodeStats
 
 CONF_FILE = REPO / "conf" / "bench.yaml"
 FAMILIES = ("lm", "medusa", "eagle")
@@ -66,7 +67,8 @@ def row(method: str, result: dict, temperature: float, plain: dict | None,
     s, samples = result["summary"], result["samples"]
     tps = per_prompt_tps(samples)
     return {"method": method, "temperature": temperature, "k": s.get("k"),
-            "k_source": s.get("k_source"), "draft_kind": s.get("draft_kind"),
+            "k_source": s.get("k_source"), "tree_size": s.get("tree_size"),
+            "draft_kind": s.get("draft_kind"),
             "tokens": s["tokens_generated"], "median_tokens_per_s": statistics.median(tps),
             "tokens_per_s": s["tokens_per_s"], "tau": s.get("tau"),
             "acceptance_rate": s.get("acceptance_rate"), "alpha": s.get("alpha") or [],
@@ -91,7 +93,7 @@ def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int |
         "draft": draft, "prompts": str(repo_path(cfg.questions)), "limit": int(cfg.limit),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(temperature), "k": k,
         "adaptive_k": adaptive, "fallback": adaptive, "tree": tree,
-        "tree_topk": int(cfg.tree_topk), "tree_size": int(cfg.tree_size),
+        "tree_topk": int(cfg.tree_topk), "tree_size": cfg.tree_size,
         "medusa_branching": list(cfg.medusa_branching), "baseline": False, "dtype": cfg.dtype,
         "device": cfg.device, "seed": int(cfg.seed), "out": None})
     return decode.run(dcfg, loaded)
@@ -112,11 +114,24 @@ def package_k(path: str | None, k: int | None, dtype: str | None = None,
     return k_used, source
 
 
-def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
-    """Every decoding method at every temperature; rows of :func:`row`."""
-    from eval.peers import run_peer_on
+def useless_copy(lm_path: str, loaded: Any, out_dir: Path) -> str:
+    """A draft LM package whose proposals are useless at the same cost: the lm package with its
+    LM-head rows shifted by one token id (untied from the input embeddings, which stay as they
+    were), so that it always proposes the neighbour of what it would have proposed. It measures
+    the fallback bound: on such a draft, decode.py's defaults must stay close to plain decoding."""
+    from heads.package import save_package
 
-    model, tok = loaded.model, loaded.tokenizer
+    pkg = decode.load_draft(lm_path, loaded)
+    head = pkg.module.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().roll(1, dims=0).clone())
+    pkg.module.config.tie_word_embeddings = False
+    out = out_dir / "useless-lm"
+    save_package(out, "lm", pkg.module, pkg.head_config, pkg.identity)
+    return str(out)
+
+
+def draft_paths(cfg: DictConfig) -> dict[str, str]:
+    """The draft packages given on the command line that exist (a note for each one skipped)."""
     drafts = {}
     for fam in FAMILIES:
         path = cfg.get(fam)
@@ -126,6 +141,25 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             note(f"{fam}={path} does not exist: skipping {fam} methods")
         else:
             drafts[fam] = str(repo_path(path))
+    return drafts
+
+
+def measured_tree(path: str, cfg: DictConfig) -> bool:
+    """Whether the package's ``speculation.json`` has a measured EAGLE tree shape for this run."""
+    spec = repo_path(path) / "speculation.json"
+    if not spec.is_file():
+        return False
+    depth, _, _ = decode.resolve_tree(None, None, json.loads(spec.read_text()), cfg.dtype,
+                                      cfg.device)
+    return depth is not None
+
+
+def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
+    """Every decoding method at every temperature; rows of :func:`row`."""
+    from eval.peers import run_peer_on
+
+    model, tok = loaded.model, loaded.tokenizer
+    drafts = draft_paths(cfg)
     k_of = {fam: package_k(path, cfg.k, cfg.dtype, cfg.device) for fam, path in drafts.items()}
     k_lm, k_src = k_of.get("lm") or package_k(None, cfg.k)
     assistant = None
@@ -161,8 +195,11 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                      "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
             for tree, name in modes:
                 note(f"T={t}: ours {name}")
-                res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
-                res["summary"]["k_source"] = k_of[fam][1]
+                if name == "eagle-tree" and cfg.k is None and measured_tree(path, cfg):
+                    res = _ours(cfg, loaded, path, t, None, tree)  # the measured tree shape
+                else:
+                    res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
+                    res["summary"]["k_source"] = k_of[fam][1]
                 ours[name] = res
             if cfg.auto_rows and fam in ("lm", "eagle"):
                 # the decoder's defaults: K from speculation.json (else 4), adaptive K and the
@@ -170,7 +207,10 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                 note(f"T={t}: ours {fam} (decode.py defaults: adaptive K + fallback)")
                 res = _ours(cfg, loaded, path, t, None, "chain", adaptive=True)
                 ours[f"{fam} adaptive+fallback"] = res
+        note(f"T={t}: plain decoding (ours) again: the drift of the machine during this block")
         rows.append(row("plain (ours)", plain, t, plain, hf))
+        rows.append(row("plain (ours), again last", _ours(cfg, loaded, "none", t, 0, "auto"), t,
+                        plain, hf))
         if hf is not None:
             rows.append(row("hf_generate", hf, t, plain, hf))
         for name, res in peers.items():
@@ -179,6 +219,80 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
         for name, res in ours.items():
             rows.append(row(f"ours {name}", res, t, plain, hf))
     return rows
+
+
+# ----------------------------------------------------------------------------- fallback bound
+def bench_fallback(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
+    """decode.py's defaults (K from speculation.json, adaptive K, fallback) against plain decoding.
+
+    Per prompt, plain decoding, the draft at a fixed K and the defaults run back to back,
+    ``repeats`` rounds, so that the machine's drift over minutes cancels in the per-prompt ratio
+    (median over rounds of each, then the ratio; median and minimum over prompts are reported).
+    ``useless-lm`` is the lm package with its LM-head rows shifted by one token id: a draft at the
+    real cost whose proposals are wrong, the case the fallback must bound.
+    """
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import PlainProposer
+    from eval.target_model import Target
+
+    fb = cfg.fallback_bound
+    given = draft_paths(cfg)
+    model = loaded.model
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
+    dcfg = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
+                           {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-useless-") as tmp:
+        for name in fb.drafts:
+            fam = "lm" if name == "useless-lm" else str(name)
+            if fam not in FAMILIES:
+                raise ValueError(f"fallback_bound.drafts: unknown {name!r}; allowed useless-lm, "
+                                 f"{', '.join(FAMILIES)}")
+            if fam not in given:
+                note(f"fallback bound: no {fam} package, skipping {name}")
+                continue
+            path = useless_copy(given[fam], loaded, Path(tmp)) if name == "useless-lm" else given[fam]
+            pkg = decode.load_draft(path, loaded)
+            proposer, _ = decode.build_proposer(OmegaConf.merge(dcfg, {"draft": path}), loaded,
+                                                int(model.config.vocab_size), pkg)
+            k_fixed, _ = package_k(path, cfg.k, cfg.dtype, cfg.device)
+            k_auto, auto_src = decode.resolve_k(None, pkg.speculation, cfg.dtype, cfg.device)
+            target = Target(model, proposer.layer_ids)
+            decs = {"plain": plain,
+                    "fixed": SpeculativeDecoder(target, proposer, k=k_fixed, adaptive=False,
+                                                fallback=False),
+                    "defaults": SpeculativeDecoder(target, proposer, k=k_auto)}
+            for dec in decs.values():
+                dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+            for t in [float(x) for x in cfg.temperatures]:
+                note(f"T={t}: fallback bound, {name} (plain / K={k_fixed} / defaults, interleaved)")
+                tps: dict[str, list[list[float]]] = {m: [[] for _ in records] for m in decs}
+                stats = []
+                for i, rec in enumerate(records):
+                    for _ in range(int(fb.repeats)):
+                        for m, dec in decs.items():
+                            res = dec.generate(rec["prompt_ids"], int(cfg.max_new_tokens), t,
+                                               eos_token_id=eos, seed=int(cfg.seed) + i)
+                            tps[m][i].append(res.stats.tokens_per_s)
+                            if m == "defaults":
+                                stats.append(res.stats)
+                med = {m: [statistics.median(v) for v in per] for m, per in tps.items()}
+                ratio = {m: [a / b for a, b in zip(med[m], med["plain"])] for m in ("fixed", "defaults")}
+                merged = DecodeStats.merge(stats)
+                out.append({"draft": name, "temperature": t, "k_fixed": k_fixed,
+                            "k_defaults": k_auto, "k_defaults_source": auto_src,
+                            "repeats": int(fb.repeats), "n_prompts": len(records),
+                            "plain_tokens_per_s": statistics.median(med["plain"]),
+                            "fixed_vs_plain": statistics.median(ratio["fixed"]),
+                            "fixed_vs_plain_min": min(ratio["fixed"]),
+                            "defaults_vs_plain": statistics.median(ratio["defaults"]),
+                            "defaults_vs_plain_min": min(ratio["defaults"]),
+                            "defaults_tau": merged.tau,
+                            "defaults_spec_step_share": merged.spec_steps / max(
+                                merged.spec_steps + merged.plain_steps, 1),
+                            "per_prompt_defaults_vs_plain": ratio["defaults"]})
+    return out
 
 
 # ----------------------------------------------------------------------------- verify cost
@@ -285,10 +399,28 @@ def write_markdown(res: dict, path: Path) -> None:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["decoding"]:
         k = "-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"] else str(r["k"])
+        if r.get("tree_size"):
+            k += f", {r['tree_size']} nodes"
         lines.append(f"| {r['temperature']:g} | {r['method']} | {k} | "
                      f"{_fmt(r['median_tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_plain'])}x | "
                      f"{_fmt(r['speedup_vs_hf_generate'])}x | {_fmt(r['tau'])} | "
                      f"{_fmt(r['acceptance_rate'])} | {_fmt(r['same_as_plain'])} |")
+    if res.get("fallback_bound"):
+        fb = res["fallback_bound"]
+        lines += ["", "## Fallback bound", "",
+                  (f"Per prompt, plain decoding, the draft at a fixed K and decode.py's defaults "
+                   f"(adaptive K + fallback to plain) ran back to back, {fb[0]['repeats']} rounds; "
+                   "ratio of per-prompt medians to plain, median and minimum over prompts. "
+                   "useless-lm: the lm package with its LM-head rows shifted by one token id."),
+                  "", ("| T | draft | fixed K | fixed K vs plain (min) | defaults K | "
+                       "defaults vs plain (min) | defaults tau | speculative steps |"),
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in fb:
+            lines.append(f"| {r['temperature']:g} | {r['draft']} | {r['k_fixed']} | "
+                         f"{r['fixed_vs_plain']:.2f}x ({r['fixed_vs_plain_min']:.2f}x) | "
+                         f"{r['k_defaults']} ({r['k_defaults_source']}) | "
+                         f"{r['defaults_vs_plain']:.2f}x ({r['defaults_vs_plain_min']:.2f}x) | "
+                         f"{r['defaults_tau']:.2f} | {r['defaults_spec_step_share']:.0%} |")
     if res["forward_costs"]:
         widths = list(res["forward_costs"][0]["ms"])
         lines += ["", "## Target forward cost per number of new tokens", "",
@@ -329,10 +461,12 @@ def run(cfg: DictConfig) -> dict:
     records = decode.prompt_records(str(questions), loaded.tokenizer, int(cfg.limit))
     forward = bench_forward_costs(cfg, loaded, records) if cfg.forward_costs.enabled else []
     decoding = bench_decoding(cfg, loaded, records)
+    fallback = bench_fallback(cfg, loaded, records) if cfg.fallback_bound.enabled else []
     training = bench_training(cfg) if cfg.train.enabled else []
     res = {"config": OmegaConf.to_container(cfg, resolve=True), "prompts": str(questions),
            "n_prompts": len(records), "target": loaded.identity.to_dict(),
-           "forward_costs": forward, "decoding": decoding, "training": training,
+           "forward_costs": forward, "decoding": decoding, "fallback_bound": fallback,
+           "training": training,
            "bench_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "bench_wall_s": time.perf_counter() - t0,
            "environment": environment(cfg.device),

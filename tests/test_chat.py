@@ -86,9 +86,10 @@ def test_content_equal_to_role_word_is_masked_at_the_right_place(tok):
 def test_truncation_and_dropping_conversations_without_assistant_tokens(tok):
     long = conv("long", ("user", "x" * 40), ("assistant", "y" * 40))
     no_reply = conv("none", ("user", "only a question"))
-    ds, report = tokenize_conversations([long, no_reply], tok, max_length=90)
-    assert report.conversations == 2 and report.kept == 1
-    assert report.dropped["no_assistant_tokens"] == 1
+    empty = conv("empty")  # what regeneration leaves when there is nothing to answer
+    ds, report = tokenize_conversations([long, no_reply, empty], tok, max_length=90)
+    assert report.conversations == 3 and report.kept == 1
+    assert report.dropped["no_assistant_tokens"] == 1 and report.dropped["empty"] == 1
     assert report.truncated == 1
     assert len(ds[0]["input_ids"]) == 90 and ds[0]["id"] == "long"
     assert sum(ds[0]["loss_mask"]) == report.assistant_tokens > 0

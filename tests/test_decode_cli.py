@@ -193,8 +193,8 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
         set(ms) == {1, 3} and min(ms.values()) > 0 for ms in costs.values())
     assert "no medusa= package given" in capsys.readouterr().out
     methods = {(r["temperature"], r["method"]) for r in res["decoding"]}
-    expected = {"plain (ours)", "hf_generate", "hf_assisted", "hf_prompt_lookup", "ours lm",
-                "ours lm adaptive+fallback"}
+    expected = {"plain (ours)", "plain (ours), again last", "hf_generate", "hf_assisted",
+                "hf_prompt_lookup", "ours lm", "ours lm adaptive+fallback"}
     assert methods == {(t, m) for t in (0.0, 1.0) for m in expected}
     greedy = {r["method"]: r for r in res["decoding"] if r["temperature"] == 0.0}
     assert greedy["plain (ours)"]["speedup_vs_plain"] == 1.0
@@ -207,6 +207,70 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
     md = (tmp_path / "bench" / "results.md").read_text()
     assert "| 0 | ours lm | 2 (config) |" in md and "command:" in md
     assert "## Target forward cost per number of new tokens" in md and "| bfloat16 |" in md
+    # the fallback bound section: the useless copy of the lm package, interleaved with plain
+    fb = {(r["temperature"], r["draft"]): r for r in res["fallback_bound"]}
+    assert set(fb) == {(0.0, "useless-lm"), (1.0, "useless-lm")}  # no eagle package: skipped
+    for r in fb.values():
+        assert r["k_fixed"] == 2 and r["repeats"] == 2 and len(r["per_prompt_defaults_vs_plain"]) == 2
+        assert r["fixed_vs_plain"] > 0 and r["defaults_vs_plain"] >= r["defaults_vs_plain_min"] > 0
+    assert "## Fallback bound" in md and "| 0 | useless-lm | 2 |" in md
+
+
+def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(setup, tmp_path):
+    from scripts import bench
+
+    path = bench.useless_copy(str(setup["lm"]), setup["loaded"], tmp_path)
+    good = load_package(setup["lm"]).module
+    bad = load_package(path, target=setup["loaded"]).module
+    ids = torch.randint(0, good.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        g, b = good(ids).logits.argmax(-1), bad(ids).logits.argmax(-1)
+    assert torch.equal(b, (g + 1) % good.config.vocab_size)  # always the neighbour: never right
+    # the same computation: same layers, same LM-head shape (only untied from the embeddings)
+    assert bad.config.num_hidden_layers == good.config.num_hidden_layers
+    assert bad.get_output_embeddings().weight.shape == good.get_output_embeddings().weight.shape
+
+
+def test_measure_picks_an_eagle_tree_shape_that_decode_uses(setup, tmp_path):
+    import shutil
+
+    src, _ = _draft_package(setup, "eagle")
+    pkg = tmp_path / "eagle"
+    shutil.copytree(src, pkg)
+    rec = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
+                                 f"prompts={setup['questions']}", "limit=2", "max_new_tokens=8",
+                                 "temperature=0", "k_measure=2", "repeats=2", "min_reached=1",
+                                 "tree_topk=3", "tree_depths=[1,2]", "tree_sizes=[3,6]"])
+    tree = rec["tree"]
+    assert {(g["depth"], g["total_tokens"]) for g in tree["grid"]} == {(1, 3), (2, 3), (1, 6), (2, 6)}
+    best = max(tree["grid"], key=lambda g: g["tokens_per_s"])
+    assert (tree["depth"], tree["total_tokens"]) == (best["depth"], best["total_tokens"])
+    assert set(rec["costs"]["t_verify_tree"]) == {"3", "6"}
+    summary = _decode(setup, pkg, "limit=1", "baseline=false", "tree_topk=3")["summary"]
+    assert summary["draft_kind"] == "eagle-tree"
+    assert (summary["k"], summary["k_source"], summary["tree_size"]) == (
+        tree["depth"], "speculation.json (tree)", tree["total_tokens"])
+    summary = _decode(setup, pkg, "limit=1", "baseline=false", "tree_topk=3", "k=3",
+                      "tree_size=5")["summary"]
+    assert (summary["k"], summary["k_source"], summary["tree_size"]) == (3, "config", 5)
+    summary = _decode(setup, pkg, "limit=1", "baseline=false", "tree=chain")["summary"]
+    assert (summary["k"], summary["k_source"], summary["tree_size"]) == (
+        rec["k_star"] or 0, "speculation.json", None)
+    no_search = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
+                                       f"prompts={setup['questions']}", "limit=1",
+                                       "max_new_tokens=4", "k_measure=1", "repeats=1",
+                                       "min_reached=1", "rerun=false", "write=false",
+                                       "tree_sizes=[]"])
+    assert "tree" not in no_search and no_search["costs"]["t_verify_tree"] == {}
+
+
+def test_resolve_tree_uses_the_measured_shape_only_where_it_was_measured():
+    spec = {"k_star": 1, "dtype": "bfloat16", "hardware": {"device": "cpu"},
+            "tree": {"depth": 2, "total_tokens": 16}}
+    assert decode.resolve_tree(None, None, spec, "bfloat16", "cpu") == (2, 16, "speculation.json (tree)")
+    assert decode.resolve_tree(3, None, spec, "bfloat16", "cpu") == (3, 16, "speculation.json (tree)")
+    assert decode.resolve_tree(None, None, spec, "float32", "cpu") == (None, None, "config")
+    assert decode.resolve_tree(None, 8, {**spec, "tree": None}, "bfloat16", "cpu") == (None, 8, "config")
 
 
 def test_resolve_k_uses_k_star_only_for_the_dtype_and_device_it_was_measured_on():

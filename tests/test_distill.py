@@ -96,6 +96,22 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
     assert pkg.kind == kind
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_init_from_continues_from_a_package(kind, warm_cache, tmp_path):
+    first = _run_inprocess(TINY + [f"draft={kind}", "train.max_steps=6", "train.eval_every=6",
+                                   "train.save_every=6", "optim.lr=3e-3", f"out_dir={tmp_path / 'a'}"])
+    pkg = tmp_path / "a" / "draft"
+    second = _run_inprocess(TINY + [f"draft={kind}", f"draft.init_from={pkg}", "train.max_steps=1",
+                                    f"out_dir={tmp_path / 'b'}"])
+    # the continued run starts where the first ended: same validation before its first step
+    assert second["alpha_hat_init"] == pytest.approx(first["alpha_hat"], abs=1e-6)
+    assert first["alpha_hat"] != pytest.approx(first["alpha_hat_init"], abs=1e-3)
+    other = "medusa" if kind == "eagle" else "eagle"
+    with pytest.raises(ValueError, match=f"holds a '{kind}' draft"):
+        _run_inprocess(TINY + [f"draft={other}", f"draft.init_from={pkg}", "train.max_steps=1",
+                               f"out_dir={tmp_path / 'c'}"])
+
+
 def test_nan_loss_stops_and_keeps_last_checkpoint(warm_cache, tmp_path):
     from train.checkpoint import latest_checkpoint
     from train.distill import NonFiniteLossError

@@ -152,7 +152,15 @@ def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monk
     def accept_all(p, q, draft, generator):  # broken: accepts every draft, bonus = argmax
         return int(draft.shape[0]), int(p[-1].argmax())
 
+    real_greedy = decoder.verify_greedy
+
+    def accept_all_greedy(target_argmax, tokens, parents=None):  # the T = 0 chain path, broken
+        if parents is not None:
+            return real_greedy(target_argmax, tokens, parents)
+        return list(range(int(tokens.shape[0]))), int(target_argmax[-1])
+
     monkeypatch.setattr(decoder, "verify_chain", accept_all)
+    monkeypatch.setattr(decoder, "verify_greedy", accept_all_greedy)
     res = exactness.run_overrides(_tiny_overrides(tiny_setup), tiny_setup["loaded"])
     for name in ("lookup", "eagle-chain@untrained"):  # chains whose drafts are often wrong
         broken = res["proposers"][name]

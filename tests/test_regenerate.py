@@ -79,6 +79,18 @@ def test_killed_run_loses_and_duplicates_nothing(tmp_path, target):
     assert [c.messages for c in result] == [c.messages for c in fresh]  # seeded per batch
 
 
+def test_resume_reads_replies_with_unicode_line_breaks(tmp_path, target):
+    # json.dumps(ensure_ascii=False) keeps U+2028 / U+0085 / form feeds raw inside a record;
+    # reading the file back must split records at "\n" only
+    out = tmp_path / "r.jsonl"
+    odd = Conversation(id="odd", messages=[{"role": "user", "content": "a\u2028b\x85c\x0cd"},
+                                           {"role": "assistant", "content": "e\u2029f"}])
+    out.write_text(json.dumps({"id": "odd", "messages": odd.messages}, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    (got,) = regenerate_conversations([odd], target, out, max_new_tokens=2, progress=False)
+    assert got.messages == odd.messages  # read back whole, not regenerated
+
+
 def test_leading_reply_is_dropped_and_long_prompts_stop(tmp_path, target):
     c = Conversation(id="x", messages=[{"role": "assistant", "content": "hello"},
                                        {"role": "user", "content": "hi"},

@@ -8,6 +8,7 @@ import torch
 from eval.verify import (
     verify_chain,
     verify_chain_batch,
+    verify_greedy,
     verify_tree,
     verify_tree_batch,
     verify_tree_typical,
@@ -164,6 +165,41 @@ def test_tree_greedy_equals_chain_greedy_on_a_chain():
     path, nxt = verify_tree(p, None, draft, torch.tensor([-1, 0, 1]))
     n, nxt_chain = verify_chain(p, onehot(*draft.tolist()), draft)
     assert (len(path), nxt) == (n, nxt_chain) == (1, int(logits[1].argmax()))
+
+
+def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
+    """Parents of a random topologically ordered tree of ``n`` nodes."""
+    return torch.tensor([int(torch.randint(-1, j, (1,), generator=g)) for j in range(n)])
+
+
+def test_greedy_fast_path_equals_one_hot_rules_on_random_trees():
+    # the fast path must return exactly what the general rules return for one-hot distributions;
+    # tokens copy the target's argmax after their parent half of the time, so deep paths occur
+    g = gen(5)
+    depths = []
+    for _ in range(300):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        parents = random_tree(n, g)
+        logits = torch.randn(n + 1, V, generator=g)
+        best = logits.argmax(-1)
+        tokens = torch.randint(0, V, (n,), generator=g)
+        copy = torch.rand(n, generator=g) < 0.5
+        tokens = torch.where(copy, best[parents + 1], tokens)
+        expected = verify_tree(warp(logits, 0.0), None, tokens, parents, gen(0))
+        assert verify_greedy(best, tokens, parents) == expected
+        chain = torch.where(torch.rand(n, generator=g) < 0.6, best[:n], tokens)
+        n_acc, nxt = verify_chain(warp(logits, 0.0), onehot(*chain.tolist()), chain, gen(0))
+        assert verify_greedy(best, chain) == (list(range(n_acc)), nxt)
+        depths.append(len(expected[0]))
+    assert max(depths) >= 3 and min(depths) == 0  # the cases did reach deep and empty paths
+
+
+def test_greedy_fast_path_checks_shapes():
+    with pytest.raises(ValueError, match="target_argmax"):
+        verify_greedy(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="topological"):
+        verify_greedy(torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                      torch.tensor([1, -1]))
 
 
 def test_tree_rejects_non_topological_order():

@@ -117,18 +117,14 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
     head_cfg = _head_config(cfg, model.config)
     n = int(cfg.draft.num_positions)
     common = {"identity": target.identity, "target_config": model.config, "head_config": head_cfg}
+    pkg = _init_package(cfg, target)
+    if pkg is not None:
+        head_cfg = common["head_config"] = pkg.head_config
     if kind == "lm":
         from heads import draft_lm
 
-        init_from = OmegaConf.select(cfg, "draft.init_from")
-        if init_from:
-            from heads.package import load_package
-
-            pkg = load_package(init_from, target=target)
-            if pkg.kind != "lm":
-                raise ValueError(f"draft.init_from={init_from} holds a '{pkg.kind}' draft, not a draft LM")
-            draft, head_cfg = pkg.module, pkg.head_config
-            common["head_config"] = head_cfg
+        if pkg is not None:
+            draft = pkg.module
         else:
             draft = draft_lm.build_draft_lm(head_cfg, model)
         lora = OmegaConf.select(cfg, "draft.lora")
@@ -141,7 +137,7 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
     if kind == "medusa":
         from heads import medusa
 
-        heads = medusa.build_medusa(head_cfg, model)
+        heads = pkg.module if pkg is not None else medusa.build_medusa(head_cfg, model)
         heads.train()
         n = min(n, head_cfg.num_heads)
         return Family(kind, DistillModule(heads, medusa.distill_targets), num_positions=n,
@@ -149,10 +145,13 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
     if kind == "eagle":
         from heads import eagle
 
-        counts = None
-        if head_cfg.draft_vocab_size is not None:
-            counts = token_counts(train_set, model.config.vocab_size)
-        head = eagle.build_eagle_head(head_cfg, model, token_counts=counts)
+        if pkg is not None:
+            head = pkg.module
+        else:
+            counts = None
+            if head_cfg.draft_vocab_size is not None:
+                counts = token_counts(train_set, model.config.vocab_size)
+            head = eagle.build_eagle_head(head_cfg, model, token_counts=counts)
         head.train()
         d2t = getattr(head, "d2t", None) if head_cfg.draft_vocab_size is not None else None
         layer_ids = list(getattr(train_set, "layers", None) or []) or None
@@ -161,6 +160,33 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
                       num_positions=n, position_weights=_position_weights(cfg, [0.8 ** i for i in range(n)]),
                       draft_to_target=None if d2t is None else d2t.detach().clone(), **common)
     raise ValueError(f"draft.kind={kind!r} is unknown; allowed: lm, medusa, eagle")
+
+
+def _init_package(cfg: DictConfig, target):
+    """The draft package named by ``draft.init_from`` (training continues from it), or None.
+
+    The package's head config replaces ``draft.config``; it must be of ``draft.kind``, trained for
+    this target, and (EAGLE) fuse the layers the feature cache was built with.
+    """
+    init_from = OmegaConf.select(cfg, "draft.init_from")
+    if not init_from:
+        return None
+    from heads.package import load_package
+
+    pkg = load_package(init_from, target=target)
+    kind = cfg.draft.kind
+    if pkg.kind != kind:
+        raise ValueError(f"draft.init_from={init_from} holds a '{pkg.kind}' draft, but draft.kind is "
+                         f"'{kind}': pick the matching draft group (draft={pkg.kind})")
+    if kind == "eagle":
+        want = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
+        have = list(getattr(pkg.head_config, "fuse_layers", None) or [])
+        if want != have:
+            raise ValueError(f"draft.init_from={init_from} fuses target layers {have or 'none'} but "
+                             f"draft.config.fuse_layers is {want or 'null'}: set "
+                             f"draft.config.fuse_layers={have or 'null'} so the feature cache holds "
+                             "the layers the head reads")
+    return pkg
 
 
 def token_counts(dataset, vocab_size: int) -> Tensor:
