@@ -81,7 +81,11 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     c = resolve_data_config(cfg_data)
     all_layers = sorted({int(i) for i in list(c["cache"]["layers"]) + list(layers or [])})
     key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    # the target's parameter dtype is part of the key: a bf16 target's hidden states (and greedy
+    # regenerated replies) are not the fp32 target's, although its identity is the same
+    target_dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     key_src.update(cache={k: c["cache"][k] for k in ("dtype", "shard_size")}, layers=all_layers,
+                   target_dtype=target_dtype,
                    target=target.identity.to_dict())
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(out_dir or c["cache"]["dir"] or default_feature_root()) / key

@@ -228,6 +228,10 @@ def test_prepare_data_builds_then_reuses_caches(tmp_path):
     assert again[:2] == (train, val) and (train / "manifest.json").stat().st_mtime_ns == stamp
     with pytest.raises(FeatureCacheError, match="main process"):
         prepare_data(cfg, target, tmp_path / "other", is_main=False)
+    target.model.to(torch.bfloat16)  # same identity, other dtype: not the same teacher
+    with pytest.raises(FeatureCacheError, match="main process"):
+        prepare_data(cfg, target, tmp_path / "out", layers=[1], is_main=False)
+    target.model.to(torch.float32)
     cfg.max_lenght = 5
     with pytest.raises(ValueError, match="unknown data config keys \\['max_lenght'\\]"):
         prepare_data(cfg, target, tmp_path / "out")
