@@ -237,16 +237,15 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     if draft.lower() not in NO_DRAFT and draft != "lookup":
         pkg = load_draft(draft, loaded)
     spec = pkg.speculation if pkg is not None else None
-    tree_depth = None
+    k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
     if pkg is not None and pkg.kind == "eagle" and cfg.tree in ("auto", "tree"):
-        tree_depth, size, _ = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
+        depth, size, source = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
         cfg = OmegaConf.merge(cfg, {"tree_size": size})
+        if depth is not None and cfg.k is None:  # the measured tree shape
+            k, k_source = depth, source
     proposer, kind = build_proposer(cfg, loaded, int(model.config.vocab_size), pkg)
     target = Target(model, proposer.layer_ids)
     eos = model.generation_config.eos_token_id if model.generation_config else None
-    k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
-    if tree_depth is not None and cfg.k is None:
-        k, k_source = tree_depth, "speculation.json (tree)"
     if kind == "plain":
         k, k_source = 0, "plain"
     dec = SpeculativeDecoder(target, proposer, k=k, k_max=cfg.k_max, adaptive=bool(cfg.adaptive_k),

@@ -140,7 +140,7 @@ class SpeculativeDecoder:
         generated: list[int] = []
 
         out = self.target.prefill(torch.tensor(prompt))
-        first = sampling.sample(out.logits[-1], generator)
+        first, _ = sampling.sample(out.logits[-1], generator)
         stats.verify_time_s += time.perf_counter() - t_start
         done = stopper.push(generated, first)
         if not done:
@@ -206,14 +206,13 @@ class SpeculativeDecoder:
             out = self.target.extend(fed)
         else:
             out = self.target.forward_tree(fed, torch.cat([torch.tensor([-1]), proposal.parents + 1]))
-        if sampling.temperature == 0 and self.acceptance == "lossless":
-            # greedy: the one-hot rules reduce to argmax matching (same result, no (N+1, V) work)
+        # greedy: the one-hot rules reduce to argmax matching (same result, no (N+1, V) work)
+        greedy = sampling.temperature == 0 and self.acceptance == "lossless"
+        p = None if greedy else sampling.warp(out.logits)  # (N+1, V)
+        if greedy:
             parents = None if proposal.is_chain else proposal.parents
             path, nxt = verify_greedy(out.logits.argmax(-1), proposal.tokens, parents)
-            rows = [0] + [j + 1 for j in path]
-            return path, nxt, rows, out.select(rows)
-        p = sampling.warp(out.logits)  # (N+1, V)
-        if proposal.is_chain:
+        elif proposal.is_chain:
             q = proposal.q
             if q is None:  # deterministic drafts are point masses
                 q = torch.nn.functional.one_hot(proposal.tokens, p.shape[-1]).float()

@@ -49,11 +49,17 @@ class Sampling:
             return int(probs.argmax())
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """One token from raw ``logits (V,)``: the argmax when greedy (no one-hot is built)."""
+    def sample(self, logits: torch.Tensor,
+               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        """One token from raw ``logits (V,)`` and the distribution it was drawn from.
+
+        Greedy: the argmax and ``None`` (a point mass; no one-hot is built). Otherwise a sample
+        from the warped distribution, which is returned as the draft's ``q``.
+        """
         if self.temperature == 0:
-            return int(logits.argmax())
-        return self.draw(self.warp(logits), generator)
+            return int(logits.argmax()), None
+        q = self.warp(logits)
+        return self.draw(q, generator), q
 
 
 @dataclass
@@ -222,19 +228,15 @@ class DraftLMProposer(Proposer):
         self._base = len(seq)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
-        greedy = ctx.sampling.temperature == 0
         for i in range(k):
-            if greedy:  # point masses on the argmax: the verifier needs no q
-                x = int(logits.argmax())
-            else:
-                q_i = ctx.sampling.warp(logits)  # (V,)
-                x = ctx.sampling.draw(q_i, ctx.generator)
-                qs.append(q_i)
+            x, q_i = ctx.sampling.sample(logits, ctx.generator)  # q_i None when greedy
             drafts.append(x)
+            if q_i is not None:
+                qs.append(q_i)
             if i < k - 1:
                 logits = self._step([x])
         self._fed_drafts = k - 1
-        return Proposal.chain(drafts, None if greedy else torch.stack(qs))
+        return Proposal.chain(drafts, torch.stack(qs) if qs else None)
 
     def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
         if self._base is None:  # plain step: the cache is still a prefix of the sequence

@@ -130,14 +130,9 @@ class EagleProposer(Proposer):
     def _propose_chain(self, last: torch.Tensor, k: int, ctx: DecodeContext) -> Proposal:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
-        greedy = ctx.sampling.temperature == 0
         for i in range(k):
-            logits = self._logits(last)[0, -1]  # (Vd,)
-            if greedy:  # point masses on the argmax: the verifier needs no q
-                x_d = int(logits.argmax())
-            else:
-                q_d = ctx.sampling.warp(logits)
-                x_d = ctx.sampling.draw(q_d, ctx.generator)
+            x_d, q_d = ctx.sampling.sample(self._logits(last)[0, -1], ctx.generator)  # (Vd,) q
+            if q_d is not None:  # None when greedy: point masses need no q
                 qs.append(self._scatter_q(q_d))
             x = int(self._to_target(torch.tensor(x_d, device=self.device)))
             drafts.append(x)
@@ -145,7 +140,7 @@ class EagleProposer(Proposer):
                 ids = torch.tensor([[x]], dtype=torch.long, device=self.device)
                 pos = torch.tensor([[self.n_true + i]], device=self.device)
                 last = self.head(last, ids, past_key_values=self.cache, position_ids=pos)
-        return Proposal.chain(drafts, None if greedy else torch.stack(qs))
+        return Proposal.chain(drafts, torch.stack(qs) if qs else None)
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
         """EAGLE-2: expand the ``topk`` best nodes per depth by cumulative draft log-prob, then keep

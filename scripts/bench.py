@@ -99,6 +99,12 @@ def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int |
     return decode.run(dcfg, loaded)
 
 
+def speculation_of(path: str | None) -> dict | None:
+    """The package's ``speculation.json``, or None."""
+    spec = repo_path(path) / "speculation.json" if path else None
+    return json.loads(spec.read_text()) if spec is not None and spec.is_file() else None
+
+
 def package_k(path: str | None, k: int | None, dtype: str | None = None,
               device: str | None = None) -> tuple[int, str]:
     """K for a package: ``k`` when set, else its measured K* (``speculation.json``), else 4.
@@ -106,9 +112,7 @@ def package_k(path: str | None, k: int | None, dtype: str | None = None,
     A measured K* of 0 (plain decoding wins) would turn the draft's methods into plain decoding,
     so they run at the default K instead, and the source says so.
     """
-    spec = repo_path(path) / "speculation.json" if path else None
-    speculation = json.loads(spec.read_text()) if spec is not None and spec.is_file() else None
-    k_used, source = decode.resolve_k(k, speculation, dtype, device)
+    k_used, source = decode.resolve_k(k, speculation_of(path), dtype, device)
     if k_used == 0:
         return decode.DEFAULT_K, "default (measured K*=0)"
     return k_used, source
@@ -146,11 +150,7 @@ def draft_paths(cfg: DictConfig) -> dict[str, str]:
 
 def measured_tree(path: str, cfg: DictConfig) -> bool:
     """Whether the package's ``speculation.json`` has a measured EAGLE tree shape for this run."""
-    spec = repo_path(path) / "speculation.json"
-    if not spec.is_file():
-        return False
-    depth, _, _ = decode.resolve_tree(None, None, json.loads(spec.read_text()), cfg.dtype,
-                                      cfg.device)
+    depth, _, _ = decode.resolve_tree(None, None, speculation_of(path), cfg.dtype, cfg.device)
     return depth is not None
 
 
