@@ -61,6 +61,10 @@ def _validate(cfg: DictConfig) -> None:
                          "written into packages, so measure the package an export came from")
     if int(cfg.k_measure) < 1:
         raise ValueError(f"k_measure must be >= 1, got {cfg.k_measure}")
+    bad = [int(v) for v in list(cfg.tree_depths) + list(cfg.tree_sizes) if int(v) < 1]
+    if bad:
+        raise ValueError(f"tree_depths and tree_sizes take values >= 1, got {bad}; pass "
+                         "tree_sizes=[] to skip the tree-shape search")
     if int(cfg.repeats) < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):

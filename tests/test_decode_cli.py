@@ -262,6 +262,8 @@ def test_measure_picks_an_eagle_tree_shape_that_decode_uses(setup, tmp_path):
                                        "min_reached=1", "rerun=false", "write=false",
                                        "tree_sizes=[]"])
     assert "tree" not in no_search and no_search["costs"]["t_verify_tree"] == {}
+    with pytest.raises(ValueError, match="tree_depths and tree_sizes take values >= 1"):
+        measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}", "tree_depths=[0,2]"])
 
 
 def test_resolve_tree_uses_the_measured_shape_only_where_it_was_measured():
