@@ -45,7 +45,7 @@ NO_DRAFT = ("none", "null", "")
 TREE_MODES = ("auto", "chain", "tree")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
-DEFAULT_TREE_SIZE = 60  # EAGLE dynamic-tree nodes when neither tree_size= nor a measured shape is given
+DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -124,10 +124,11 @@ def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
     pkg = pkg if pkg is not None else load_draft(draft, loaded_target)
     module = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
     tree = cfg.tree
-    if pkg.kind == "lm":
-        if tree == "tree":
-            raise ValueError("tree=tree is not available for draft LMs: use tree=chain or auto")
-        return DraftLMProposer(module, vocab_size), "lm"
+    if pkg.kind == "lm":  # auto = chain here; run() turns auto into tree when that measured faster
+        size = cfg.tree_size if cfg.tree_size is not None else DEFAULT_TREE_SIZE
+        prop = DraftLMProposer(module, vocab_size, tree=tree == "tree", topk=int(cfg.tree_topk),
+                               total_tokens=int(size))
+        return prop, prop.kind
     if pkg.kind == "medusa":
         if tree == "chain":  # one candidate per head: a chain through the tree verifier
             choices = medusa_choices([1] * int(pkg.head_config.num_heads))
@@ -167,9 +168,22 @@ def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
     return k_star, "speculation.json"
 
 
+def lm_tree_pays(speculation: Mapping | None, dtype: str | None = None,
+                 device: str | None = None) -> bool:
+    """Whether a draft LM's ``speculation.json`` (for this dtype and device type) has a measured
+    dynamic-tree shape that decoded faster than the chain at K* (``tree=auto`` then drafts trees)."""
+    spec = speculation or {}
+    depth, _, _ = resolve_tree(None, None, spec, dtype, device)
+    if depth is None:
+        return False
+    chain = (spec.get("measured_speedup") or {}).get("speedup")
+    tree = spec["tree"].get("speedup")
+    return tree is not None and (chain is None or tree > chain)
+
+
 def resolve_tree(k: Any, tree_size: Any, speculation: Mapping | None, dtype: str | None = None,
                  device: str | None = None) -> tuple[int | None, int | None, str]:
-    """EAGLE dynamic-tree depth and size: the measured best shape of ``speculation.json``.
+    """Dynamic-tree depth and size: the measured best shape of ``speculation.json``.
 
     ``k`` / ``tree_size`` given are kept; a null one takes the measured shape when the record
     has one for this dtype and device type. Returns ``(depth or None, size or None, source)``;
@@ -238,7 +252,10 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         pkg = load_draft(draft, loaded)
     spec = pkg.speculation if pkg is not None else None
     k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
-    if pkg is not None and pkg.kind == "eagle" and cfg.tree in ("auto", "tree"):
+    if (pkg is not None and pkg.kind == "lm" and cfg.tree == "auto"
+            and lm_tree_pays(spec, cfg.dtype, cfg.device)):
+        cfg = OmegaConf.merge(cfg, {"tree": "tree"})
+    if pkg is not None and (pkg.kind, cfg.tree) in (("eagle", "auto"), ("eagle", "tree"), ("lm", "tree")):
         depth, size, source = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
         cfg = OmegaConf.merge(cfg, {"tree_size": size})
         if depth is not None and cfg.k is None:  # the measured tree shape

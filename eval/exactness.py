@@ -43,7 +43,8 @@ from eval.target_model import Target
 
 CONF_FILE = Path(__file__).resolve().parents[1] / "conf" / "exactness.yaml"
 # proposers checked per draft kind: (label, decode.py ``tree=`` mode)
-KIND_PROPOSERS = {"lm": [("lm-chain", "chain")], "medusa": [("medusa-tree", "tree")],
+KIND_PROPOSERS = {"lm": [("lm-chain", "chain"), ("lm-tree", "tree")],
+                  "medusa": [("medusa-tree", "tree")],
                   "eagle": [("eagle-chain", "chain"), ("eagle-tree", "tree")]}
 
 

@@ -6,12 +6,12 @@ Steps: (1) decode the prompts at a long fixed draft length ``k_measure`` (no ada
 fallback) so that the conditional acceptance ``alpha_i`` of every position is observed; (2) time
 on this machine, as medians, one plain decode step ``t_ar``, the draft's cost per drafted token
 ``t_draft`` and the target forward over ``K + 1`` tokens ``t_verify(K)`` (and over the tree the
-draft family decodes with: the EAGLE dynamic tree's ``tree_size`` nodes, or the Medusa tree);
+draft family decodes with: the dynamic tree's ``tree_sizes`` nodes, or the Medusa tree);
 (3) choose K* with :func:`eval.kstar.choose_kstar`; (4) decode the prompts again at K* and plainly,
-in this run, for the measured speedup; (4b) for EAGLE packages, decode the prompts with the
-dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` and keep the fastest
-shape (the tree analogue of K*: how many nodes pay depends on how the target's forward cost
-grows with width on this machine); (5) write the record with
+in this run, for the measured speedup; (4b) for EAGLE and draft-LM packages, decode the prompts
+with the dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` and keep the
+fastest shape (the tree analogue of K*: how many nodes pay depends on how the target's forward
+cost grows with width on this machine); (5) write the record with
 :func:`heads.package.update_package_json` (the manifest stays valid). ``eval/decode.py`` with
 ``k=null`` then starts from this K*.
 
@@ -45,11 +45,17 @@ MEASURE_DEFAULTS = {
     "repeats": 7,            # timing repetitions per cost (medians are written)
     "min_reached": 20,       # a position's alpha enters K* only if reached this often
     "rerun": True,           # decode again at K* and plainly to record the measured speedup
-    "tree_depths": [1, 2, 3],  # EAGLE: dynamic-tree depths tried (the tree analogue of K*)
-    "tree_sizes": [8, 16, 32],  # EAGLE: dynamic-tree sizes (nodes kept after the rerank) tried
+    "tree_depths": [1, 2, 3],  # EAGLE / draft LM: dynamic-tree depths tried (the tree analogue of K*)
+    "tree_sizes": [8, 16, 32],  # EAGLE / draft LM: dynamic-tree sizes (nodes kept after the rerank) tried
     "write": True,           # write speculation.json into the package (false = print only)
 }
 CONFIG_NAME = "draftsmith_measure"
+TREE_FAMILIES = ("eagle", "lm")  # families with a dynamic tree whose shape is measured
+
+
+def max_tree_nodes(depth: int, topk: int) -> int:
+    """Most nodes a dynamic tree of ``depth`` can draft: ``topk`` at depth 1, ``topk**2`` below."""
+    return topk + (depth - 1) * topk * topk
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -73,7 +79,7 @@ def _validate(cfg: DictConfig) -> None:
 
 def _tree_nodes(kind: str, cfg: DictConfig, head_config: Any) -> list[int]:
     """Tree sizes the family decodes with (their verify forward is timed too)."""
-    if kind == "eagle":
+    if kind in TREE_FAMILIES:
         return sorted({int(n) for n in cfg.tree_sizes})
     if kind == "medusa":
         return [len(medusa_choices(list(cfg.medusa_branching)))]
@@ -102,19 +108,26 @@ def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], c
 
 def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
                  cfg: DictConfig, eos: Any) -> dict[str, Any]:
-    """Decode with the EAGLE dynamic tree at each (depth, size) of the grid; the fastest shape.
+    """Decode with the dynamic tree at each (depth, size) of the grid; the fastest shape.
 
     Plain decoding runs before and after the grid (its mean is the baseline), so a drift of the
-    machine during the grid shows as the difference of the two.
+    machine during the grid shows as the difference of the two. A size larger than a depth can
+    hold (``topk`` nodes per expanded node, ``topk`` expanded per depth) is the same tree as the
+    full one and is run once.
     """
     plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
     plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
     before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
     grid = []
+    topk = int(cfg.tree_topk)
     for size in sorted({int(n) for n in cfg.tree_sizes}):
         tree_cfg = OmegaConf.merge(cfg, {"tree": "tree", "tree_size": size})
         proposer, _ = build_proposer(tree_cfg, loaded, int(model.config.vocab_size), pkg)
         for depth in sorted({int(d) for d in cfg.tree_depths}):
+            if size > max_tree_nodes(depth, topk) and any(
+                    g["depth"] == depth and g["total_tokens"] >= max_tree_nodes(depth, topk)
+                    for g in grid):
+                continue
             dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=depth,
                                      adaptive=False, fallback=False)
             dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
@@ -172,7 +185,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if cfg.rerun:
         rec["measured_speedup"] = rerun_at_kstar(model, proposer, records, cfg, rec["k_star"], eos)
-    if pkg.kind == "eagle" and cfg.tree_depths and cfg.tree_sizes:
+    if pkg.kind in TREE_FAMILIES and cfg.tree_depths and cfg.tree_sizes:
         rec["tree"] = measure_tree(model, loaded, pkg, records, cfg, eos)
     rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
@@ -202,7 +215,7 @@ def print_record(rec: dict[str, Any]) -> None:
                       f"({m['tokens_per_s']:.1f} vs {m['baseline_tokens_per_s']:.1f} tokens/s)")
     tree = rec.get("tree")
     if tree:
-        grid = Table(title=f"EAGLE dynamic tree: best depth {tree['depth']}, "
+        grid = Table(title=f"dynamic tree: best depth {tree['depth']}, "
                            f"{tree['total_tokens']} nodes")
         for col in ("depth", "nodes", "tau", "tokens/s", "speedup"):
             grid.add_column(col, justify="right")

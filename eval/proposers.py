@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +112,89 @@ class Proposal:
         return d
 
 
+# ----- the EAGLE-2 dynamic draft tree (used by the EAGLE head and the draft LM) ---------------
+# Drafting a tree of depth D: the root's top-k tokens are depth-1 nodes; at each further depth the
+# k frontier nodes with the highest cumulative draft log-probability are fed to the drafter in one
+# forward (a tree attention mask over its cache: the committed prefix, fed ancestors and the node
+# itself) and each gets its top-k children. Finally the total_tokens best nodes of all depths are
+# kept (plus any missing ancestors). Every choice is a deterministic top-k pick, so each node is a
+# point mass for verification and the tree is lossless at any temperature. DynamicTree is only the
+# bookkeeping; the drafter's forward stays with the proposer.
+
+class DynamicTree:
+    """EAGLE-2 dynamic tree bookkeeping: nodes drafted so far, their scores and the cache order they were fed in.
+
+    Args:
+        topk: children per expanded node, and nodes expanded per depth.
+        to_target: maps drafter token ids to target ids (reduced vocabularies); identity if None.
+    """
+
+    def __init__(self, topk: int, to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        self.topk = topk
+        self.to_target = to_target
+        self.tokens: list[int] = []   # target ids
+        self.scores: list[float] = []  # cumulative draft log-prob
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.fed: list[int] = []  # nodes fed to the drafter, in its cache order
+
+    def add_children(self, parent: int, logp: torch.Tensor) -> list[int]:
+        """Add the top-``k`` tokens of ``logp (V,)`` (log-probs after ``parent``; ``-1`` = the
+        committed sequence) as children; returns their node indices."""
+        top = torch.topk(logp, min(self.topk, logp.shape[-1]))
+        ids = top.indices if self.to_target is None else self.to_target(top.indices)
+        base = self.scores[parent] if parent >= 0 else 0.0
+        depth = self.depths[parent] + 1 if parent >= 0 else 1
+        new = []
+        for lp, tid in zip(top.values.tolist(), ids.tolist()):
+            new.append(len(self.tokens))
+            self.tokens.append(int(tid))
+            self.scores.append(base + lp)
+            self.parents.append(parent)
+            self.depths.append(depth)
+        return new
+
+    def expand(self, frontier: list[int]) -> list[int]:
+        """The ``k`` frontier nodes with the best cumulative score (to feed next)."""
+        return sorted(frontier, key=lambda j: -self.scores[j])[: self.topk]
+
+    def feed(self, nodes: list[int], n_cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record ``nodes`` as fed after the drafter's ``n_cached`` committed entries and the nodes
+        fed before; returns their attention mask ``(n, n_cached + fed)`` (bool: the committed
+        prefix, fed ancestors, self) and position ids ``(n,)`` (``n_cached + depth - 1``)."""
+        self.fed.extend(nodes)
+        fed_pos = {node: i for i, node in enumerate(self.fed)}
+        mask = torch.zeros(len(nodes), n_cached + len(self.fed), dtype=torch.bool)
+        mask[:, :n_cached] = True
+        for row, j in enumerate(nodes):
+            node = j
+            while node >= 0:
+                if node in fed_pos:
+                    mask[row, n_cached + fed_pos[node]] = True
+                node = self.parents[node]
+        pos = torch.tensor([n_cached + self.depths[j] - 1 for j in nodes], dtype=torch.long)
+        return mask, pos
+
+    def proposal(self, total: int) -> Proposal:
+        """Keep the ``total`` best nodes (ties: shallower first) plus any missing ancestors, in
+        topological order (by depth, then score)."""
+        order = sorted(range(len(self.tokens)), key=lambda j: (-self.scores[j], self.depths[j], j))
+        keep = set(order[:total])
+        for j in list(keep):
+            node = self.parents[j]
+            while node >= 0 and node not in keep:
+                keep.add(node)
+                node = self.parents[node]
+        kept = sorted(keep, key=lambda j: (self.depths[j], -self.scores[j], j))
+        new_index = {j: i for i, j in enumerate(kept)}
+        return Proposal(
+            torch.tensor([self.tokens[j] for j in kept], dtype=torch.long),
+            torch.tensor([new_index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in kept],
+                         dtype=torch.long))
+
+
 class Proposer:
     """Base class: the plain decoder (never drafts). Subclasses override the three calls.
 
@@ -179,23 +262,32 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class DraftLMProposer(Proposer):
-    """A small causal LM drafting a chain with its own KV cache.
+    """A small causal LM drafting a chain, or an EAGLE-2 dynamic tree, with its own KV cache.
 
     The draft's cache holds a prefix of the committed sequence; ``propose`` feeds whatever is
     missing (the prompt on the first call, then the last accepted draft and the new pending token),
-    samples ``k`` tokens from the warped draft distribution, and ``accept`` crops the cache back to
-    the committed prefix.
+    then either samples ``k`` tokens from the warped draft distribution (chain) or builds a dynamic
+    tree ``k`` deep from the draft's top-``topk`` tokens (:class:`DynamicTree`; deterministic
+    choices, so point masses), and ``accept`` crops the cache back to the committed prefix.
 
     Args:
         model: a causal LM sharing the target's vocabulary (``logits`` of width >= ``vocab_size``).
         vocab_size: the target's vocabulary size.
+        tree: draft a dynamic tree instead of a chain.
+        topk: tree branching (children per expanded node and nodes expanded per depth).
+        total_tokens: tree nodes kept after the final rerank.
     """
 
     kind = "lm"
 
-    def __init__(self, model: nn.Module, vocab_size: int) -> None:
+    def __init__(self, model: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
+                 total_tokens: int = 60) -> None:
+        if topk < 1 or total_tokens < 1:
+            raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
         self.model = model
         self.vocab_size = vocab_size
+        self.tree, self.topk, self.total_tokens = tree, topk, total_tokens
+        self.kind = "lm-tree" if tree else "lm"
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
         self._base: int | None = None  # committed length when the last proposal was drafted
@@ -226,6 +318,8 @@ class DraftLMProposer(Proposer):
         seq = ctx.tokens
         logits = self._step(seq[self._cached():])
         self._base = len(seq)
+        if self.tree:
+            return self._propose_tree(logits, k)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
@@ -237,6 +331,28 @@ class DraftLMProposer(Proposer):
                 logits = self._step([x])
         self._fed_drafts = k - 1
         return Proposal.chain(drafts, torch.stack(qs) if qs else None)
+
+    def _propose_tree(self, root_logits: torch.Tensor, depth: int) -> Proposal:
+        """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the expanded nodes' tokens in
+        one forward with a tree mask; the cache is cropped back to the committed prefix after."""
+        tree = DynamicTree(self.topk)
+        frontier = tree.add_children(-1, torch.log_softmax(root_logits, dim=-1))
+        for _ in range(2, depth + 1):
+            expand = tree.expand(frontier)
+            mask, pos = tree.feed(expand, self._base)
+            ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True,
+                             position_ids=pos.view(1, -1).to(self.device),
+                             attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
+            logp = torch.log_softmax(fit_vocab(out.logits[0].float(), self.vocab_size), dim=-1)
+            frontier = []
+            for row, j in enumerate(expand):
+                frontier.extend(tree.add_children(j, logp[row]))
+        self._fed_drafts = 0  # tree nodes are dropped below; accepted ones are re-fed next step
+        cached = self._cached()
+        if cached > self._base:
+            self.cache.crop(self._base - cached)
+        return tree.proposal(self.total_tokens)
 
     def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
         if self._base is None:  # plain step: the cache is still a prefix of the sequence

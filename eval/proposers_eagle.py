@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eval.proposers import DecodeContext, Proposal, Proposer
+from eval.proposers import DecodeContext, DynamicTree, Proposal, Proposer
 from eval.target_model import TargetOutput
 
 
@@ -143,76 +143,31 @@ class EagleProposer(Proposer):
         return Proposal.chain(drafts, torch.stack(qs) if qs else None)
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
-        """EAGLE-2: expand the ``topk`` best nodes per depth by cumulative draft log-prob, then keep
-        the ``total_tokens`` best of all drafted nodes. All choices are deterministic."""
-        tokens: list[int] = []   # target ids
-        scores: list[float] = []
-        parents: list[int] = []
-        depths: list[int] = []
+        """EAGLE-2 (:class:`~eval.proposers.DynamicTree`): an expanded node is fed as (its parent's head
+        output, its token), so its children come from the head's prediction after it."""
+        tree = DynamicTree(self.topk, self._to_target)
         hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
-        fed: list[int] = []  # nodes fed to the head, in cache order
-
-        def add_children(parent: int, logp: torch.Tensor, base: float, d: int) -> list[int]:
-            top = torch.topk(logp, min(self.topk, logp.shape[-1]))  # logp: (Vd,) log-probs
-            ids = self._to_target(top.indices)
-            new = []
-            for lp, tid in zip(top.values.tolist(), ids.tolist()):
-                new.append(len(tokens))
-                tokens.append(int(tid))
-                scores.append(base + lp)
-                parents.append(parent)
-                depths.append(d)
-            return new
 
         def log_probs(hidden: torch.Tensor) -> torch.Tensor:
             """``(n, H)`` head outputs -> ``(n, Vd)`` log-probs, one LM-head call for all rows."""
             return torch.log_softmax(self._logits(hidden.unsqueeze(0))[0], dim=-1)
 
-        frontier = add_children(-1, log_probs(root_hidden[0])[0], 0.0, 1)
-        for d in range(2, depth + 1):
-            expand = sorted(frontier, key=lambda j: -scores[j])[: self.topk]
-            feats = torch.stack([root_hidden[0, 0] if parents[j] < 0 else hidden_of[parents[j]]
+        frontier = tree.add_children(-1, log_probs(root_hidden[0])[0])
+        for _ in range(2, depth + 1):
+            expand = tree.expand(frontier)
+            feats = torch.stack([root_hidden[0, 0] if tree.parents[j] < 0 else hidden_of[tree.parents[j]]
                                  for j in expand]).unsqueeze(0)  # (1, n, H)
-            ids = torch.tensor([[tokens[j] for j in expand]], dtype=torch.long, device=self.device)
-            fed.extend(expand)
-            # mask over [true prefix | previously fed nodes | these nodes]: ancestors and self
-            fed_pos = {node: i for i, node in enumerate(fed)}
-            mask = torch.zeros(len(expand), self.n_true + len(fed), dtype=torch.bool)
-            mask[:, : self.n_true] = True
-            for row, j in enumerate(expand):
-                node = j
-                while node >= 0:
-                    if node in fed_pos:
-                        mask[row, self.n_true + fed_pos[node]] = True
-                    node = parents[node]
-            pos = torch.tensor([[self.n_true + depths[j] - 1 for j in expand]], device=self.device)
-            out = self.head(feats, ids, past_key_values=self.cache, position_ids=pos,
+            ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long, device=self.device)
+            mask, pos = tree.feed(expand, self.n_true)
+            out = self.head(feats, ids, past_key_values=self.cache,
+                            position_ids=pos.view(1, -1).to(self.device),
                             attention_mask=mask.view(1, 1, *mask.shape).to(self.device))  # (1, n, H)
             logp = log_probs(out[0])  # (n, Vd)
             frontier = []
             for row, j in enumerate(expand):
                 hidden_of[j] = out[0, row]
-                frontier.extend(add_children(j, logp[row], scores[j], d))
+                frontier.extend(tree.add_children(j, logp[row]))
         cached = int(self.cache.get_seq_length())
         if cached > self.n_true:
             self.cache.crop(self.n_true - cached)
-        return _rerank(tokens, scores, parents, depths, self.total_tokens)
-
-
-def _rerank(tokens: list[int], scores: list[float], parents: list[int], depths: list[int],
-            total: int) -> Proposal:
-    """Keep the ``total`` best nodes (ties: shallower first) plus any missing ancestors, and
-    return them in topological order (by depth, then score)."""
-    order = sorted(range(len(tokens)), key=lambda j: (-scores[j], depths[j], j))
-    keep = set(order[:total])
-    for j in list(keep):
-        node = parents[j]
-        while node >= 0 and node not in keep:
-            keep.add(node)
-            node = parents[node]
-    kept = sorted(keep, key=lambda j: (depths[j], -scores[j], j))
-    new_index = {j: i for i, j in enumerate(kept)}
-    return Proposal(torch.tensor([tokens[j] for j in kept], dtype=torch.long),
-                    torch.tensor([new_index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
-                                 dtype=torch.long))
-
+        return tree.proposal(self.total_tokens)

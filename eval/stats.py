@@ -125,7 +125,9 @@ class KController:
       number of fed tokens, pick ``K = argmax E_K(a) / (K t_d + t_verify(K + 1))``.
     * **Fallback**: once ``min_steps`` speculative steps are in the window, if their measured
       tokens per second times the plain step time is below 1 (speculation is a loss), decode
-      plainly for ``probe_every`` steps, then probe with one speculative step.
+      plainly for ``probe_every`` steps, then probe with one speculative step. Each probe that
+      is still a loss doubles the plain stretch (up to ``max_backoff`` doublings); one that
+      pays ends the fallback and resets it.
 
     Args:
         k: initial (and, when not adaptive, fixed) draft length or tree depth.
@@ -134,12 +136,13 @@ class KController:
         fallback: allow falling back to plain decoding.
         window: speculative steps remembered.
         min_steps: steps needed before a fallback decision.
-        probe_every: plain steps between probes while fallen back.
+        probe_every: plain steps before the first probe while fallen back.
+        max_backoff: most doublings of ``probe_every`` after failed probes.
     """
 
     def __init__(self, k: int, k_max: int | None = None, adaptive: bool = True,
                  fallback: bool = True, window: int = 8, min_steps: int = 3,
-                 probe_every: int = 32) -> None:
+                 probe_every: int = 32, max_backoff: int = 3) -> None:
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         self.k = k
@@ -151,6 +154,8 @@ class KController:
         self.steps: deque[_Step] = deque(maxlen=window)
         self.plain_times: deque[float] = deque(maxlen=16)
         self.plain_left = 0
+        self.max_backoff = max_backoff
+        self.backoff = 0  # doublings of probe_every for the next fallback
         self.tree = False
 
     def next_k(self) -> int:
@@ -171,8 +176,13 @@ class KController:
         self.steps.append(_Step(depth, nodes, accepted, tokens, t_draft, t_verify))
         if self.adaptive and not self.tree:
             self.k = self._best_k()
-        if self.fallback and len(self.steps) >= self.min_steps and self.estimated_speedup() < 1.0:
-            self.plain_left = self.probe_every
+        if not self.fallback or len(self.steps) < self.min_steps:
+            return
+        if self.estimated_speedup() < 1.0:
+            self.plain_left = self.probe_every << self.backoff
+            self.backoff = min(self.backoff + 1, self.max_backoff)
+        else:
+            self.backoff = 0
 
     def t_plain(self) -> float:
         """Plain step time: measured median, else the fastest verify seen (an upper bound)."""

@@ -145,6 +145,7 @@ class Target:
         if n_keep < cur:
             self.cache.crop(n_keep - cur)
 
+    @torch.inference_mode()  # the cache tensors were made under inference mode
     def keep_path(self, n_prefix: int, indices: Sequence[int]) -> None:
         """After :meth:`forward_tree`, keep the prefix and the accepted tree nodes only.
 
@@ -152,14 +153,19 @@ class Target:
             n_prefix: number of cached tokens before the tree block (``seq_len`` before the tree).
             indices: accepted node indices (relative to the tree block), root-to-leaf order.
         """
-        keep = list(range(n_prefix)) + [n_prefix + int(i) for i in indices]
-        if any(k >= self.seq_len for k in keep):
+        src = [n_prefix + int(i) for i in indices]
+        if any(k >= self.seq_len for k in src):
             raise ValueError(f"keep_path indices {list(indices)} exceed the cached tree block "
                              f"(cache has {self.seq_len} tokens, prefix {n_prefix})")
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+        # move the accepted entries right after the prefix, then crop: O(path), not O(context)
+        moved = [(d, s) for d, s in enumerate(src, start=n_prefix) if d != s]
+        if moved:
+            dst_idx = torch.tensor([d for d, _ in moved], device=self.device)
+            src_idx = torch.tensor([s for _, s in moved], device=self.device)
+            for layer in self.cache.layers:
+                for t in (layer.keys, layer.values):  # (B, heads, T, d)
+                    t[:, :, dst_idx] = t[:, :, src_idx]
+        self.crop(n_prefix + len(src))
 
 
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@
 On MT-bench questions (first turns, chat template with a generation prompt), at each temperature
 of ``temperatures``: plain decoding (ours), transformers ``generate``, ``generate`` with
 ``assistant_model`` = the draft LM at the same K, ``prompt_lookup_num_tokens`` at that K, and our
-decoder with the draft LM, Medusa (static tree) and EAGLE (chain at K*, and the dynamic tree)
-for the packages given. A missing package is skipped with a printed note. Then a few training
+decoder with the draft LM (chain at K*, and its dynamic tree when ``eval/measure.py`` found one
+that pays), Medusa (static tree) and EAGLE (chain at K*, and the dynamic tree) for the packages
+given; assisted generation also runs at the draft LM tree's depth, so ours is compared with it at
+the same K. A missing package is skipped with a printed note. Then a few training
 steps per draft family (``train/distill.py`` as a subprocess on the cached target features):
 tokens/s from its ``train_log.jsonl`` and the subprocess's peak resident memory.
 
@@ -148,10 +150,11 @@ def draft_paths(cfg: DictConfig) -> dict[str, str]:
     return drafts
 
 
-def measured_tree(path: str, cfg: DictConfig) -> bool:
-    """Whether the package's ``speculation.json`` has a measured EAGLE tree shape for this run."""
+def measured_tree(path: str, cfg: DictConfig) -> int | None:
+    """The depth of the package's measured dynamic-tree shape for this run (``speculation.json``;
+    EAGLE or draft LM), or None."""
     depth, _, _ = decode.resolve_tree(None, None, speculation_of(path), cfg.dtype, cfg.device)
-    return depth is not None
+    return depth
 
 
 def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
@@ -166,6 +169,10 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
     if "lm" in drafts and cfg.hf_generate:
         pkg = decode.load_draft(drafts["lm"], loaded)
         assistant = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
+    # the draft LM's measured dynamic tree (if any) runs too; assisted generation then also runs
+    # at its depth, so that each of ours has transformers' assisted generation at the same K
+    lm_tree_depth = measured_tree(drafts["lm"], cfg) if "lm" in drafts and cfg.k is None else None
+    assisted_ks = sorted({k_lm} | ({lm_tree_depth} if lm_tree_depth else set()))
     rows = []
     for t in [float(x) for x in cfg.temperatures]:
         note(f"T={t}: plain decoding (ours)")
@@ -177,10 +184,10 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             hf = run_peer_on(model, records, "hf_generate", temperature=t,
                              max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed),
                              tokenizer=tok, baseline=False)
-            if assistant is not None:
-                note(f"T={t}: transformers generate(assistant_model=lm), K={k_lm}")
-                peers["hf_assisted"] = run_peer_on(
-                    model, records, "hf_assisted", temperature=t, k=k_lm, schedule="constant",
+            for k_a in assisted_ks if assistant is not None else []:
+                note(f"T={t}: transformers generate(assistant_model=lm), K={k_a}")
+                peers[f"hf_assisted K={k_a}"] = run_peer_on(
+                    model, records, "hf_assisted", temperature=t, k=k_a, schedule="constant",
                     assistant=assistant, max_new_tokens=int(cfg.max_new_tokens),
                     seed=int(cfg.seed), tokenizer=tok, baseline=False)
         if cfg.prompt_lookup:
@@ -191,11 +198,12 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                 baseline=False)
         ours = {}
         for fam, path in drafts.items():
-            modes = {"lm": [("chain", "lm")], "medusa": [("tree", "medusa")],
+            modes = {"lm": [("chain", "lm")] + ([("tree", "lm-tree")] if lm_tree_depth else []),
+                     "medusa": [("tree", "medusa")],
                      "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
             for tree, name in modes:
                 note(f"T={t}: ours {name}")
-                if name == "eagle-tree" and cfg.k is None and measured_tree(path, cfg):
+                if name.endswith("-tree") and cfg.k is None and measured_tree(path, cfg):
                     res = _ours(cfg, loaded, path, t, None, tree)  # the measured tree shape
                 else:
                     res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
@@ -217,7 +225,11 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             res["summary"]["k_source"] = k_src
             rows.append(row(name, res, t, plain, hf))
         for name, res in ours.items():
-            rows.append(row(f"ours {name}", res, t, plain, hf))
+            r = row(f"ours {name}", res, t, plain, hf)
+            same_k = peers.get(f"hf_assisted K={r['k']}")
+            if name in ("lm", "lm-tree") and same_k is not None:  # the same draft LM at the same K
+                r["speedup_vs_hf_assisted"] = paired_ratio(res["samples"], same_k["samples"])
+            rows.append(r)
     return rows
 
 
@@ -405,6 +417,15 @@ def write_markdown(res: dict, path: Path) -> None:
                      f"{_fmt(r['median_tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_plain'])}x | "
                      f"{_fmt(r['speedup_vs_hf_generate'])}x | {_fmt(r['tau'])} | "
                      f"{_fmt(r['acceptance_rate'])} | {_fmt(r['same_as_plain'])} |")
+    vs_assisted = [r for r in res["decoding"] if r.get("speedup_vs_hf_assisted") is not None]
+    if vs_assisted:
+        lines += ["", "## Ours against transformers assisted generation, same draft LM and K", "",
+                  ("Per prompt: our tokens/s over `generate(assistant_model=<the draft LM>)` at "
+                   "the same K (chain length, or tree depth for the dynamic tree); median over "
+                   "prompts."), "", "| T | ours | K | vs assisted |", "|---|---|---|---|"]
+        for r in vs_assisted:
+            lines.append(f"| {r['temperature']:g} | {r['method']} | {r['k']} | "
+                         f"{r['speedup_vs_hf_assisted']:.2f}x |")
     if res.get("fallback_bound"):
         fb = res["fallback_bound"]
         lines += ["", "## Fallback bound", "",

@@ -193,12 +193,13 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
         set(ms) == {1, 3} and min(ms.values()) > 0 for ms in costs.values())
     assert "no medusa= package given" in capsys.readouterr().out
     methods = {(r["temperature"], r["method"]) for r in res["decoding"]}
-    expected = {"plain (ours)", "plain (ours), again last", "hf_generate", "hf_assisted",
+    expected = {"plain (ours)", "plain (ours), again last", "hf_generate", "hf_assisted K=2",
                 "hf_prompt_lookup", "ours lm", "ours lm adaptive+fallback"}
     assert methods == {(t, m) for t in (0.0, 1.0) for m in expected}
     greedy = {r["method"]: r for r in res["decoding"] if r["temperature"] == 0.0}
     assert greedy["plain (ours)"]["speedup_vs_plain"] == 1.0
-    assert greedy["ours lm"]["k"] == 2 and greedy["hf_assisted"]["k"] == 2
+    assert greedy["ours lm"]["k"] == 2 and greedy["hf_assisted K=2"]["k"] == 2
+    assert greedy["ours lm"]["speedup_vs_hf_assisted"] > 0
     assert greedy["ours lm adaptive+fallback"]["k_source"] == "default"  # no speculation.json
     assert all(r["median_tokens_per_s"] > 0 for r in res["decoding"])
     assert all(r["same_as_plain"] == 1.0 for r in greedy.values())  # greedy is lossless
@@ -211,9 +212,38 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
     fb = {(r["temperature"], r["draft"]): r for r in res["fallback_bound"]}
     assert set(fb) == {(0.0, "useless-lm"), (1.0, "useless-lm")}  # no eagle package: skipped
     for r in fb.values():
-        assert r["k_fixed"] == 2 and r["repeats"] == 2 and len(r["per_prompt_defaults_vs_plain"]) == 2
+        assert r["k_fixed"] == 2 and r["repeats"] == 3 and len(r["per_prompt_defaults_vs_plain"]) == 2
         assert r["fixed_vs_plain"] > 0 and r["defaults_vs_plain"] >= r["defaults_vs_plain_min"] > 0
     assert "## Fallback bound" in md and "| 0 | useless-lm | 2 |" in md
+    assert "| 0 | ours lm | 2 |" in md.split("same draft LM and K")[1]
+
+
+def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tmp_path):
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from heads.package import update_package_json
+    from scripts import bench
+
+    pkg = tmp_path / "lm"
+    shutil.copytree(setup["lm"], pkg)
+    update_package_json(pkg, "speculation.json", {
+        "k_star": 1, "dtype": "float32", "hardware": {"device": "cpu"},
+        "measured_speedup": {"k": 1, "speedup": 1.0},
+        "tree": {"depth": 2, "total_tokens": 4, "speedup": 1.1}})
+    cfg = OmegaConf.merge(OmegaConf.load(bench.CONF_FILE), {
+        "questions": str(setup["questions"]), "limit": 1, "max_new_tokens": 6,
+        "temperatures": [0.0], "lm": str(pkg), "tree_topk": 2, "prompt_lookup": False,
+        "auto_rows": False, "target_path": str(setup["target"]), "out_dir": str(tmp_path / "b"),
+        "train": {"enabled": False}, "forward_costs": {"enabled": False},
+        "fallback_bound": {"enabled": False}})
+    rows = {r["method"]: r for r in bench.run(cfg)["decoding"]}
+    assert set(rows) == {"plain (ours)", "plain (ours), again last", "hf_generate",
+                         "hf_assisted K=1", "hf_assisted K=2", "ours lm", "ours lm-tree"}
+    assert (rows["ours lm"]["k"], rows["ours lm-tree"]["k"]) == (1, 2)
+    assert rows["ours lm-tree"]["tree_size"] == 4 and rows["ours lm-tree"]["same_as_plain"] == 1.0
+    assert all(rows[m]["speedup_vs_hf_assisted"] > 0 for m in ("ours lm", "ours lm-tree"))
 
 
 def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(setup, tmp_path):
@@ -231,18 +261,26 @@ def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(setup, tmp_path):
     assert bad.get_output_embeddings().weight.shape == good.get_output_embeddings().weight.shape
 
 
-def test_measure_picks_an_eagle_tree_shape_that_decode_uses(setup, tmp_path):
+def _measure_copy(setup, tmp_path, kind: str, *overrides: str) -> tuple[Path, dict]:
+    """Copy the ``kind`` package and measure it on 2 prompts x 8 tokens (plus ``overrides``)."""
     import shutil
 
-    src, _ = _draft_package(setup, "eagle")
-    pkg = tmp_path / "eagle"
+    src, _ = _draft_package(setup, kind)
+    pkg = tmp_path / kind
     shutil.copytree(src, pkg)
     rec = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
                                  f"prompts={setup['questions']}", "limit=2", "max_new_tokens=8",
                                  "temperature=0", "k_measure=2", "repeats=2", "min_reached=1",
-                                 "tree_topk=3", "tree_depths=[1,2]", "tree_sizes=[3,6]"])
+                                 *overrides])
+    return pkg, rec
+
+
+def test_measure_picks_an_eagle_tree_shape_that_decode_uses(setup, tmp_path):
+    pkg, rec = _measure_copy(setup, tmp_path, "eagle", "tree_topk=3", "tree_depths=[1,2]",
+                             "tree_sizes=[3,6]")
     tree = rec["tree"]
-    assert {(g["depth"], g["total_tokens"]) for g in tree["grid"]} == {(1, 3), (2, 3), (1, 6), (2, 6)}
+    # depth 1 holds at most topk = 3 nodes: size 6 there is the size-3 tree, run once
+    assert {(g["depth"], g["total_tokens"]) for g in tree["grid"]} == {(1, 3), (2, 3), (2, 6)}
     best = max(tree["grid"], key=lambda g: g["tokens_per_s"])
     assert (tree["depth"], tree["total_tokens"]) == (best["depth"], best["total_tokens"])
     assert set(rec["costs"]["t_verify_tree"]) == {"3", "6"}
@@ -264,6 +302,32 @@ def test_measure_picks_an_eagle_tree_shape_that_decode_uses(setup, tmp_path):
     assert "tree" not in no_search and no_search["costs"]["t_verify_tree"] == {}
     with pytest.raises(ValueError, match="tree_depths and tree_sizes take values >= 1"):
         measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}", "tree_depths=[0,2]"])
+
+
+def test_measure_and_decode_draft_lm_tree(setup, tmp_path):
+    pkg, rec = _measure_copy(setup, tmp_path, "lm", "tree_topk=2", "tree_depths=[2]",
+                             "tree_sizes=[4]")
+    assert [(g["depth"], g["total_tokens"]) for g in rec["tree"]["grid"]] == [(2, 4)]
+    want_tree = decode.lm_tree_pays(rec, "float32", "cpu")
+    summary = _decode(setup, pkg, "limit=1", "tree_topk=2", "k_max=2")["summary"]
+    assert summary["draft_kind"] == ("lm-tree" if want_tree else "lm")
+    assert summary["matches_baseline"] == 1.0  # greedy: token-identical to plain decoding
+    summary = _decode(setup, pkg, "limit=1", "tree=tree", "tree_topk=2", "k=2", "tree_size=5",
+                      "baseline=false")["summary"]
+    assert (summary["draft_kind"], summary["k"], summary["tree_size"]) == ("lm-tree", 2, 5)
+    assert _decode(setup, pkg, "limit=1", "tree=chain", "baseline=false")["summary"][
+        "draft_kind"] == "lm"
+
+
+def test_lm_tree_is_the_default_only_where_it_beat_the_chain():
+    spec = {"k_star": 1, "dtype": "bfloat16", "hardware": {"device": "cpu"},
+            "measured_speedup": {"speedup": 1.05},
+            "tree": {"depth": 2, "total_tokens": 8, "speedup": 1.2}}
+    assert decode.lm_tree_pays(spec, "bfloat16", "cpu")
+    assert not decode.lm_tree_pays(spec, "float32", "cpu")  # measured in another dtype
+    assert not decode.lm_tree_pays({**spec, "tree": {**spec["tree"], "speedup": 1.0}}, "bfloat16", "cpu")
+    assert not decode.lm_tree_pays({**spec, "tree": None}, "bfloat16", "cpu")
+    assert decode.lm_tree_pays({**spec, "measured_speedup": {"k": 0, "speedup": None}}, "bfloat16", "cpu")
 
 
 def test_resolve_tree_uses_the_measured_shape_only_where_it_was_measured():

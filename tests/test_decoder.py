@@ -78,6 +78,9 @@ def make_proposer(name: str, model):
         return DraftLMProposer(copy.deepcopy(model), VOCAB)
     if name == "lm-other":
         return DraftLMProposer(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB)
+    if name == "lm-tree":
+        return DraftLMProposer(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB, tree=True,
+                               topk=3, total_tokens=10)
     if name == "medusa":
         from heads.medusa import MedusaConfig, build_medusa
         torch.manual_seed(3)
@@ -93,7 +96,7 @@ def make_proposer(name: str, model):
     raise ValueError(name)
 
 
-ALL = ["plain", "lookup", "lm-self", "lm-other", "medusa", "eagle", "eagle-tree", "oracle-tree"]
+ALL = ["plain", "lookup", "lm-self", "lm-other", "lm-tree", "medusa", "eagle", "eagle-tree", "oracle-tree"]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -139,6 +142,22 @@ def test_self_draft_accepts_everything(target_model):
     assert res.stats.acceptance_rate == 1.0
     assert res.stats.target_forwards == 1 + 3  # prefill + 3 steps of 5 tokens
     assert res.stats.alpha_cumulative == [1.0] * 4
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_self_draft_tree_accepts_full_depth(topk):
+    # the target as its own draft LM: the top-1 path of its dynamic tree is the target's greedy
+    # continuation only if the draft's tree mask, positions and cache rollback are right (a
+    # larger init than the default makes the predictions depend on context and position)
+    target_model = tiny_llama(seed=0, vocab=VOCAB, initializer_range=0.3)
+    proposer = DraftLMProposer(copy.deepcopy(target_model), VOCAB, tree=True, topk=topk,
+                               total_tokens=30)  # keeps every node: the rerank drops none
+    dec = SpeculativeDecoder(target_model, proposer, k=4, adaptive=False, fallback=False)
+    res = dec.generate(PROMPTS[0], max_new_tokens=16, temperature=0.0)
+    assert res.output_ids == hf_greedy(target_model, PROMPTS[0], 16, eos=None)
+    assert res.stats.alpha_cumulative == [1.0] * 4
+    assert res.stats.target_forwards == 1 + 3  # prefill + 3 steps of 5 tokens
+    assert proposer._cached() == 1 + len(PROMPTS[0]) + 15 - 5  # committed prefix, no tree nodes
 
 
 def test_eos_and_stop_sequences_match_generate(target_model):

@@ -21,7 +21,7 @@ QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a short poem."]},
     {"question_id": 2, "category": "math", "turns": ["What is 12 plus 30?"]},
 ]
-STANDIN_NAMES = {"plain", "lookup", "lm-chain@untrained", "medusa-tree@untrained",
+STANDIN_NAMES = {"plain", "lookup", "lm-chain@untrained", "lm-tree@untrained", "medusa-tree@untrained",
                  "eagle-chain@untrained", "eagle-tree@untrained"}
 
 

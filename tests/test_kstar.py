@@ -74,6 +74,28 @@ def test_controller_falls_back_and_probes():
         assert ctl.next_k() == 2
         ctl.record(depth=2, nodes=2, accepted=0, tokens=1, t_draft=0.02, t_verify=0.05)
     assert [ctl.next_k() for _ in range(6)] == [0, 0, 0, 0, 0, 2]
+    # a failed probe doubles the plain stretch (5 -> 10 -> 20, at most 2 doublings here) ...
+    lose = {"depth": 2, "nodes": 2, "accepted": 0, "tokens": 1, "t_draft": 0.02, "t_verify": 0.05}
+    pay = {"depth": 2, "nodes": 2, "accepted": 2, "tokens": 3, "t_draft": 0.002, "t_verify": 0.055}
+    ctl = KController(k=2, k_max=4, adaptive=False, probe_every=5, max_backoff=2)
+    for _ in range(3):
+        ctl.record(**lose)
+    stretches = []
+    for _ in range(4):
+        n = 0
+        while ctl.next_k() == 0:
+            n += 1
+        stretches.append(n)
+        ctl.record(**lose)  # the probe loses again
+    assert stretches == [5, 10, 20, 20]
+    # ... and a window that pays ends the backoff: the next fallback starts at probe_every again
+    ctl.record_plain(0.05)
+    for _ in range(8):
+        ctl.record(**pay)
+    assert ctl.backoff == 0
+    while ctl.backoff == 0:
+        ctl.record(**lose)
+    assert ctl.plain_left == 5
 
 
 def test_measure_speculation_record():

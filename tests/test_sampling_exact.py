@@ -206,7 +206,7 @@ def _exact_tiny(model, prompt: list[int]) -> torch.Tensor:
     return probs
 
 
-@pytest.mark.parametrize("kind", ["draft-lm-chain", "medusa-tree"])
+@pytest.mark.parametrize("kind", ["draft-lm-chain", "draft-lm-tree", "medusa-tree"])
 def test_decoder_end_to_end_sampling_is_exact(kind):
     from eval.decoder import SpeculativeDecoder
     from eval.proposers import DraftLMProposer, MedusaProposer, medusa_choices
@@ -214,8 +214,9 @@ def test_decoder_end_to_end_sampling_is_exact(kind):
     from tests.conftest import tiny_llama
 
     model = tiny_llama(seed=1, vocab=V, hidden=16, layers=1)
-    if kind == "draft-lm-chain":
-        proposer = DraftLMProposer(tiny_llama(seed=2, vocab=V, hidden=16, layers=1), V)
+    if kind.startswith("draft-lm"):
+        proposer = DraftLMProposer(tiny_llama(seed=2, vocab=V, hidden=16, layers=1), V,
+                                   tree=kind.endswith("tree"), topk=2, total_tokens=4)
     else:
         torch.manual_seed(2)
         heads = build_medusa(MedusaConfig(num_heads=2), model).eval()
