@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eval.target_model import TargetOutput, cache_kwarg
+from eval.target_model import TargetOutput, cache_kwarg, native_gqa
 from eval.verify import warp
 
 
@@ -303,7 +303,9 @@ class DraftLMProposer(Proposer):
 
     def _step(self, ids: Sequence[int]) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
-        out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True, **self._keep)
+        with native_gqa(self.device.type == "cpu" and x.shape[1] > 1):
+            out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True,
+                             **self._keep)
         return fit_vocab(out.logits[0, -1].float(), self.vocab_size)  # (V,)
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
@@ -341,9 +343,10 @@ class DraftLMProposer(Proposer):
             expand = tree.expand(frontier)
             mask, pos = tree.feed(expand, self._base)
             ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True,
-                             position_ids=pos.view(1, -1).to(self.device),
-                             attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
+            with native_gqa(self.device.type == "cpu" and len(expand) > 1):
+                out = self.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True,
+                                 position_ids=pos.view(1, -1).to(self.device),
+                                 attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
             logp = torch.log_softmax(fit_vocab(out.logits[0].float(), self.vocab_size), dim=-1)
             frontier = []
             for row, j in enumerate(expand):

@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval import decode
 from eval.kstar import environment
 from eval.stats import DecodeStats
+from eval.target_model import native_gqa
 
 CONF_FILE = REPO / "conf" / "bench.yaml"
 FAMILIES = ("lm", "medusa", "eagle")
@@ -185,11 +186,16 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                              max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed),
                              tokenizer=tok, baseline=False)
             for k_a in assisted_ks if assistant is not None else []:
-                note(f"T={t}: transformers generate(assistant_model=lm), K={k_a}")
-                peers[f"hf_assisted K={k_a}"] = run_peer_on(
-                    model, records, "hf_assisted", temperature=t, k=k_a, schedule="constant",
-                    assistant=assistant, max_new_tokens=int(cfg.max_new_tokens),
-                    seed=int(cfg.seed), tokenizer=tok, baseline=False)
+                # stock, and with the native-GQA attention our decoder's forwards use (like for
+                # like: what is left is the decoding loop)
+                for suffix, gqa in (("", False), (" native-gqa", True)):
+                    note(f"T={t}: transformers generate(assistant_model=lm), K={k_a}{suffix}")
+                    with native_gqa(gqa):
+                        peers[f"hf_assisted K={k_a}{suffix}"] = run_peer_on(
+                            model, records, "hf_assisted", temperature=t, k=k_a,
+                            schedule="constant", assistant=assistant,
+                            max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed),
+                            tokenizer=tok, baseline=False)
         if cfg.prompt_lookup:
             note(f"T={t}: transformers prompt_lookup_num_tokens={k_lm}")
             peers["hf_prompt_lookup"] = run_peer_on(
@@ -226,9 +232,12 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             rows.append(row(name, res, t, plain, hf))
         for name, res in ours.items():
             r = row(f"ours {name}", res, t, plain, hf)
-            same_k = peers.get(f"hf_assisted K={r['k']}")
-            if name in ("lm", "lm-tree") and same_k is not None:  # the same draft LM at the same K
-                r["speedup_vs_hf_assisted"] = paired_ratio(res["samples"], same_k["samples"])
+            if name in ("lm", "lm-tree"):  # the same draft LM at the same K
+                for key, suffix in (("speedup_vs_hf_assisted", ""),
+                                    ("speedup_vs_hf_assisted_gqa", " native-gqa")):
+                    same_k = peers.get(f"hf_assisted K={r['k']}{suffix}")
+                    if same_k is not None:
+                        r[key] = paired_ratio(res["samples"], same_k["samples"])
             rows.append(r)
     return rows
 
@@ -422,10 +431,13 @@ def write_markdown(res: dict, path: Path) -> None:
         lines += ["", "## Ours against transformers assisted generation, same draft LM and K", "",
                   ("Per prompt: our tokens/s over `generate(assistant_model=<the draft LM>)` at "
                    "the same K (chain length, or tree depth for the dynamic tree); median over "
-                   "prompts."), "", "| T | ours | K | vs assisted |", "|---|---|---|---|"]
+                   "prompts. Stock transformers, and transformers with the native-GQA attention "
+                   "our forwards use (`TRANSFORMERS_SDPA_FORCE_GQA=1`)."), "",
+                  "| T | ours | K | vs assisted | vs assisted, native GQA |", "|---|---|---|---|---|"]
         for r in vs_assisted:
             lines.append(f"| {r['temperature']:g} | {r['method']} | {r['k']} | "
-                         f"{r['speedup_vs_hf_assisted']:.2f}x |")
+                         f"{r['speedup_vs_hf_assisted']:.2f}x | "
+                         f"{_fmt(r.get('speedup_vs_hf_assisted_gqa'))}x |")
     if res.get("fallback_bound"):
         fb = res["fallback_bound"]
         lines += ["", "## Fallback bound", "",

@@ -194,12 +194,14 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
     assert "no medusa= package given" in capsys.readouterr().out
     methods = {(r["temperature"], r["method"]) for r in res["decoding"]}
     expected = {"plain (ours)", "plain (ours), again last", "hf_generate", "hf_assisted K=2",
-                "hf_prompt_lookup", "ours lm", "ours lm adaptive+fallback"}
+                "hf_assisted K=2 native-gqa", "hf_prompt_lookup", "ours lm",
+                "ours lm adaptive+fallback"}
     assert methods == {(t, m) for t in (0.0, 1.0) for m in expected}
     greedy = {r["method"]: r for r in res["decoding"] if r["temperature"] == 0.0}
     assert greedy["plain (ours)"]["speedup_vs_plain"] == 1.0
     assert greedy["ours lm"]["k"] == 2 and greedy["hf_assisted K=2"]["k"] == 2
     assert greedy["ours lm"]["speedup_vs_hf_assisted"] > 0
+    assert greedy["ours lm"]["speedup_vs_hf_assisted_gqa"] > 0
     assert greedy["ours lm adaptive+fallback"]["k_source"] == "default"  # no speculation.json
     assert all(r["median_tokens_per_s"] > 0 for r in res["decoding"])
     assert all(r["same_as_plain"] == 1.0 for r in greedy.values())  # greedy is lossless
@@ -240,7 +242,8 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
         "fallback_bound": {"enabled": False}})
     rows = {r["method"]: r for r in bench.run(cfg)["decoding"]}
     assert set(rows) == {"plain (ours)", "plain (ours), again last", "hf_generate",
-                         "hf_assisted K=1", "hf_assisted K=2", "ours lm", "ours lm-tree"}
+                         "hf_assisted K=1", "hf_assisted K=2", "hf_assisted K=1 native-gqa",
+                         "hf_assisted K=2 native-gqa", "ours lm", "ours lm-tree"}
     assert (rows["ours lm"]["k"], rows["ours lm-tree"]["k"]) == (1, 2)
     assert rows["ours lm-tree"]["tree_size"] == 4 and rows["ours lm-tree"]["same_as_plain"] == 1.0
     assert all(rows[m]["speedup_vs_hf_assisted"] > 0 for m in ("ours lm", "ours lm-tree"))

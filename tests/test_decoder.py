@@ -241,6 +241,40 @@ def test_tree_forward_matches_chain_forward(target_model):
     torch.testing.assert_close(nxt.logits[0], ref, atol=1e-4, rtol=1e-4)
 
 
+def test_native_gqa_skips_the_kv_copy_and_leaves_the_environment_alone(target_model, monkeypatch):
+    import os
+
+    import transformers.integrations.sdpa_attention as sdpa
+
+    from eval.target_model import FORCE_GQA_ENV, native_gqa
+
+    assert target_model.config.num_key_value_heads < target_model.config.num_attention_heads
+    copies = []
+    repeat_kv = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: copies.append(n) or repeat_kv(h, n))
+    monkeypatch.delenv(FORCE_GQA_ENV, raising=False)
+    tgt = Target(target_model)
+    tgt.prefill(torch.tensor(PROMPTS[1]))
+    out = tgt.forward_tree(torch.tensor([10, 20, 11, 21]), torch.tensor([-1, -1, 0, 1]))
+    assert copies == []  # masked multi-token forward: no repeat_kv copy of the cache
+    assert FORCE_GQA_ENV not in os.environ
+    # the same forward through transformers' default path copies the cache and agrees
+    past = DynamicCache(config=target_model.config)
+    target_model(torch.tensor([PROMPTS[1]]), past_key_values=past, use_cache=True)
+    mask = torch.ones(1, 1, 2, len(PROMPTS[1]) + 2, dtype=torch.bool)
+    mask[0, 0, 0, -1] = False  # chain 20 -> 21 (rows 1 and 3 of the tree)
+    ref = target_model(torch.tensor([[20, 21]]), past_key_values=past, attention_mask=mask,
+                       position_ids=torch.tensor([[len(PROMPTS[1])] * 2]) + torch.tensor([[0, 1]]))
+    assert copies  # the default path did copy
+    torch.testing.assert_close(out.logits[[1, 3]], ref.logits[0], atol=1e-5, rtol=1e-5)
+    # scoped: restored after the block, also on errors, and a value set before is kept
+    monkeypatch.setenv(FORCE_GQA_ENV, "0")
+    with pytest.raises(RuntimeError), native_gqa():
+        assert os.environ[FORCE_GQA_ENV] == "1"
+        raise RuntimeError
+    assert os.environ[FORCE_GQA_ENV] == "0"
+
+
 def test_bad_settings_raise(target_model):
     with pytest.raises(ValueError, match="acceptance"):
         SpeculativeDecoder(target_model, PlainProposer(), acceptance="fast")
