@@ -46,6 +46,7 @@ TREE_MODES = ("auto", "chain", "tree")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
 DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
+DEFAULT_MEDUSA_BRANCHING = (4, 2, 2, 1)  # Medusa tree when neither medusa_branching= nor a measured one
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -133,7 +134,7 @@ def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
         if tree == "chain":  # one candidate per head: a chain through the tree verifier
             choices = medusa_choices([1] * int(pkg.head_config.num_heads))
         else:
-            choices = medusa_choices(list(cfg.medusa_branching))
+            choices = medusa_choices(list(cfg.medusa_branching or DEFAULT_MEDUSA_BRANCHING))
         return MedusaProposer(module, vocab_size, choices), "medusa"
     if pkg.kind == "eagle":
         use_tree = tree in ("auto", "tree")
@@ -198,6 +199,19 @@ def resolve_tree(k: Any, tree_size: Any, speculation: Mapping | None, dtype: str
     return depth, size, "speculation.json (tree)"
 
 
+def resolve_medusa_branching(branching: Any, speculation: Mapping | None, dtype: str | None = None,
+                             device: str | None = None) -> tuple[list[int], str]:
+    """Medusa tree: ``branching`` when given, else the measured best of ``speculation.json``
+    (for this dtype and device type), else :data:`DEFAULT_MEDUSA_BRANCHING`."""
+    if branching is not None:
+        return [int(b) for b in branching], "config"
+    depth, _, _ = resolve_tree(None, None, speculation, dtype, device)
+    measured = ((speculation or {}).get("tree") or {}).get("branching")
+    if depth is not None and measured:
+        return [int(b) for b in measured], "speculation.json (tree)"
+    return list(DEFAULT_MEDUSA_BRANCHING), "default"
+
+
 def _validate(cfg: DictConfig) -> None:
     if cfg.tree not in TREE_MODES:
         raise ValueError(f"tree={cfg.tree!r}: allowed {TREE_MODES}")
@@ -255,6 +269,12 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     if (pkg is not None and pkg.kind == "lm" and cfg.tree == "auto"
             and lm_tree_pays(spec, cfg.dtype, cfg.device)):
         cfg = OmegaConf.merge(cfg, {"tree": "tree"})
+    if pkg is not None and pkg.kind == "medusa" and cfg.tree in ("auto", "tree"):
+        branching, source = resolve_medusa_branching(cfg.medusa_branching, spec, cfg.dtype,
+                                                     cfg.device)
+        cfg = OmegaConf.merge(cfg, {"medusa_branching": branching})
+        if source != "default" and cfg.k is None:  # the measured tree's depth
+            k, k_source = len(branching), source
     if pkg is not None and (pkg.kind, cfg.tree) in (("eagle", "auto"), ("eagle", "tree"), ("lm", "tree")):
         depth, size, source = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
         cfg = OmegaConf.merge(cfg, {"tree_size": size})

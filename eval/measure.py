@@ -6,11 +6,11 @@ Steps: (1) decode the prompts at a long fixed draft length ``k_measure`` (no ada
 fallback) so that the conditional acceptance ``alpha_i`` of every position is observed; (2) time
 on this machine, as medians, one plain decode step ``t_ar``, the draft's cost per drafted token
 ``t_draft`` and the target forward over ``K + 1`` tokens ``t_verify(K)`` (and over the tree the
-draft family decodes with: the dynamic tree's ``tree_sizes`` nodes, or the Medusa tree);
+draft family decodes with: the dynamic tree's ``tree_sizes`` nodes, or the Medusa trees);
 (3) choose K* with :func:`eval.kstar.choose_kstar`; (4) decode the prompts again at K* and plainly,
 in this run, for the measured speedup; (4b) for EAGLE and draft-LM packages, decode the prompts
-with the dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` and keep the
-fastest shape (the tree analogue of K*: how many nodes pay depends on how the target's forward
+with the dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` (Medusa: each
+static tree of ``medusa_branchings``) and keep the fastest shape (the tree analogue of K*: how many nodes pay depends on how the target's forward
 cost grows with width on this machine); (5) write the record with
 :func:`heads.package.update_package_json` (the manifest stays valid). ``eval/decode.py`` with
 ``k=null`` then starts from this K*.
@@ -47,6 +47,8 @@ MEASURE_DEFAULTS = {
     "rerun": True,           # decode again at K* and plainly to record the measured speedup
     "tree_depths": [1, 2, 3],  # EAGLE / draft LM: dynamic-tree depths tried (the tree analogue of K*)
     "tree_sizes": [8, 16, 32],  # EAGLE / draft LM: dynamic-tree sizes (nodes kept after the rerank) tried
+    # Medusa: static-tree shapes tried (top-k per head; [] skips the search)
+    "medusa_branchings": [[1], [2], [4], [2, 1], [4, 1], [2, 2, 1], [4, 2, 1], [4, 2, 2, 1]],
     "write": True,           # write speculation.json into the package (false = print only)
 }
 CONFIG_NAME = "draftsmith_measure"
@@ -71,19 +73,40 @@ def _validate(cfg: DictConfig) -> None:
     if bad:
         raise ValueError(f"tree_depths and tree_sizes take values >= 1, got {bad}; pass "
                          "tree_sizes=[] to skip the tree-shape search")
+    bad = [list(b) for b in cfg.medusa_branchings if not b or any(int(x) < 1 for x in b)]
+    if bad:
+        raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
+                         "pass medusa_branchings=[] to skip the Medusa tree-shape search")
     if int(cfg.repeats) < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={cfg.dtype!r}: allowed float32, bfloat16, float16")
 
 
-def _tree_nodes(kind: str, cfg: DictConfig, head_config: Any) -> list[int]:
-    """Tree sizes the family decodes with (their verify forward is timed too)."""
+def tree_shapes(kind: str, cfg: DictConfig, head_config: Any) -> list[dict[str, Any]]:
+    """The tree shapes measure.py decodes with, as ``{"depth", "total_tokens", "overrides"}``
+    (plus ``"branching"`` for Medusa): EAGLE and draft LM, the dynamic tree at each (depth, size)
+    of ``tree_depths`` x ``tree_sizes`` (a size larger than a depth can hold, ``topk`` nodes per
+    expanded node and ``topk`` expanded per depth, is the full tree of that depth and is tried
+    once); Medusa, each of ``medusa_branchings`` that the heads can serve."""
+    shapes: list[dict[str, Any]] = []
     if kind in TREE_FAMILIES:
-        return sorted({int(n) for n in cfg.tree_sizes})
-    if kind == "medusa":
-        return [len(medusa_choices(list(cfg.medusa_branching)))]
-    return []
+        topk = int(cfg.tree_topk)
+        for depth in sorted({int(d) for d in cfg.tree_depths}):
+            cap = max_tree_nodes(depth, topk)
+            sizes = sorted({int(n) for n in cfg.tree_sizes})
+            over = [n for n in sizes if n > cap][:1]  # any of them is the full tree
+            sizes = [n for n in sizes if n <= cap] + ([] if cap in sizes else over)
+            shapes += [{"depth": depth, "total_tokens": n,
+                        "overrides": {"tree": "tree", "tree_size": n}} for n in sizes]
+    elif kind == "medusa":
+        for b in cfg.medusa_branchings:
+            b = [int(x) for x in b]
+            if len(b) <= int(head_config.num_heads):
+                shapes.append({"depth": len(b), "total_tokens": len(medusa_choices(b)),
+                               "branching": b,
+                               "overrides": {"tree": "tree", "medusa_branching": b}})
+    return sorted(shapes, key=lambda sh: (sh["total_tokens"], sh["depth"]))
 
 
 def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], cfg: DictConfig,
@@ -107,39 +130,35 @@ def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], c
 
 
 def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
-                 cfg: DictConfig, eos: Any) -> dict[str, Any]:
-    """Decode with the dynamic tree at each (depth, size) of the grid; the fastest shape.
+                 cfg: DictConfig, eos: Any) -> dict[str, Any] | None:
+    """Decode with each tree shape of :func:`tree_shapes`; the fastest shape and the grid.
 
     Plain decoding runs before and after the grid (its mean is the baseline), so a drift of the
-    machine during the grid shows as the difference of the two. A size larger than a depth can
-    hold (``topk`` nodes per expanded node, ``topk`` expanded per depth) is the same tree as the
-    full one and is run once.
+    machine during the grid shows as the difference of the two.
     """
+    shapes = tree_shapes(pkg.kind, cfg, pkg.head_config)
+    if not shapes:
+        return None
     plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
     plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
     before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
     grid = []
-    topk = int(cfg.tree_topk)
-    for size in sorted({int(n) for n in cfg.tree_sizes}):
-        tree_cfg = OmegaConf.merge(cfg, {"tree": "tree", "tree_size": size})
-        proposer, _ = build_proposer(tree_cfg, loaded, int(model.config.vocab_size), pkg)
-        for depth in sorted({int(d) for d in cfg.tree_depths}):
-            if size > max_tree_nodes(depth, topk) and any(
-                    g["depth"] == depth and g["total_tokens"] >= max_tree_nodes(depth, topk)
-                    for g in grid):
-                continue
-            dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=depth,
-                                     adaptive=False, fallback=False)
-            dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
-            st = decode_set(dec, records, cfg, eos)[1]
-            grid.append({"depth": depth, "total_tokens": size, "tokens_per_s": st.tokens_per_s,
-                         "tau": st.tau, "acceptance_rate": st.acceptance_rate})
+    for shape in shapes:
+        shape_cfg = OmegaConf.merge(cfg, shape["overrides"])
+        proposer, _ = build_proposer(shape_cfg, loaded, int(model.config.vocab_size), pkg)
+        dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=shape["depth"],
+                                 adaptive=False, fallback=False)
+        dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+        st = decode_set(dec, records, cfg, eos)[1]
+        grid.append({**{k: v for k, v in shape.items() if k != "overrides"},
+                     "tokens_per_s": st.tokens_per_s, "tau": st.tau,
+                     "acceptance_rate": st.acceptance_rate})
     after = decode_set(plain, records, cfg, eos)[1].tokens_per_s
     base = (before + after) / 2
     for g in grid:
         g["speedup"] = g["tokens_per_s"] / base if base else None
     best = max(grid, key=lambda g: g["tokens_per_s"])
-    return {"depth": best["depth"], "total_tokens": best["total_tokens"],
+    return {**{k: v for k, v in best.items() if k in ("depth", "total_tokens", "branching")},
             "speedup": best["speedup"], "tau": best["tau"], "baseline_tokens_per_s": base,
             "baseline_before_after": [before, after], "grid": grid,
             "topk": int(cfg.tree_topk), "prompts": len(records),
@@ -180,13 +199,16 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     rec = measure_speculation(target, proposer, [r["prompt_ids"] for r in records], k_max=k_max,
                               max_new_tokens=int(cfg.max_new_tokens),
                               temperature=float(cfg.temperature), repeats=int(cfg.repeats),
-                              seed=int(cfg.seed), tree_nodes=_tree_nodes(pkg.kind, cfg, pkg.head_config),
+                              seed=int(cfg.seed),
+                              tree_nodes=sorted({sh["total_tokens"] for sh in
+                                                 tree_shapes(pkg.kind, cfg, pkg.head_config)}),
                               min_reached=int(cfg.min_reached))
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if cfg.rerun:
         rec["measured_speedup"] = rerun_at_kstar(model, proposer, records, cfg, rec["k_star"], eos)
-    if pkg.kind in TREE_FAMILIES and cfg.tree_depths and cfg.tree_sizes:
-        rec["tree"] = measure_tree(model, loaded, pkg, records, cfg, eos)
+    tree = measure_tree(model, loaded, pkg, records, cfg, eos)
+    if tree is not None:
+        rec["tree"] = tree
     rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:
@@ -215,13 +237,13 @@ def print_record(rec: dict[str, Any]) -> None:
                       f"({m['tokens_per_s']:.1f} vs {m['baseline_tokens_per_s']:.1f} tokens/s)")
     tree = rec.get("tree")
     if tree:
-        grid = Table(title=f"dynamic tree: best depth {tree['depth']}, "
-                           f"{tree['total_tokens']} nodes")
-        for col in ("depth", "nodes", "tau", "tokens/s", "speedup"):
+        shape = f"branching {tree['branching']}" if "branching" in tree else f"depth {tree['depth']}"
+        grid = Table(title=f"tree shapes: best {shape}, {tree['total_tokens']} nodes")
+        for col in ("shape", "nodes", "tau", "tokens/s", "speedup"):
             grid.add_column(col, justify="right")
         for g in tree["grid"]:
-            grid.add_row(str(g["depth"]), str(g["total_tokens"]), f"{g['tau']:.2f}",
-                         f"{g['tokens_per_s']:.1f}", f"{g['speedup']:.2f}x")
+            grid.add_row(str(g.get("branching", f"depth {g['depth']}")), str(g["total_tokens"]),
+                         f"{g['tau']:.2f}", f"{g['tokens_per_s']:.1f}", f"{g['speedup']:.2f}x")
         console.print(grid)
         console.print(f"plain decoding before / after the grid: "
                       f"{tree['baseline_before_after'][0]:.1f} / "

@@ -97,7 +97,8 @@ def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int |
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(temperature), "k": k,
         "adaptive_k": adaptive, "fallback": adaptive, "tree": tree,
         "tree_topk": int(cfg.tree_topk), "tree_size": cfg.tree_size,
-        "medusa_branching": list(cfg.medusa_branching), "baseline": False, "dtype": cfg.dtype,
+        "medusa_branching": (None if cfg.medusa_branching is None else list(cfg.medusa_branching)),
+        "baseline": False, "dtype": cfg.dtype,
         "device": cfg.device, "seed": int(cfg.seed), "out": None})
     return decode.run(dcfg, loaded)
 
@@ -209,7 +210,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                      "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
             for tree, name in modes:
                 note(f"T={t}: ours {name}")
-                if name.endswith("-tree") and cfg.k is None and measured_tree(path, cfg):
+                if tree == "tree" and cfg.k is None and measured_tree(path, cfg):
                     res = _ours(cfg, loaded, path, t, None, tree)  # the measured tree shape
                 else:
                     res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)

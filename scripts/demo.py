@@ -48,7 +48,7 @@ def main(extra: list[str]) -> None:
                          *extra], "1. train an EAGLE head (experiment=quickstart)")
     times["measure"] = sh([sys.executable, "eval/measure.py", f"draft={DRAFT}", "prompts=sharegpt",
                            "limit=4", "max_new_tokens=48", "temperature=0",
-                           "tree_sizes=[]"],  # the demo decodes chains: no tree-shape search
+                           "tree_sizes=[]", "medusa_branchings=[]"],  # chains: no tree-shape search
                           "2. measure accept rates and costs, choose K*, write speculation.json")
     decode_json = OUT / "decode.json"
     times["decode"] = sh([sys.executable, "eval/decode.py", f"draft={DRAFT}", *PROMPTS, *CHAIN,

@@ -109,7 +109,8 @@ def test_measure_writes_a_verified_speculation_json_that_decode_uses(setup, tmp_
     shutil.copytree(setup["lm"], pkg)
     rec = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
                                  f"prompts={setup['questions']}", "limit=2", "max_new_tokens=10",
-                                 "temperature=0", "k_measure=3", "repeats=2", "min_reached=1"])
+                                 "temperature=0", "k_measure=3", "repeats=2", "min_reached=1",
+                                 "tree_sizes=[]"])  # the chain's K* only (trees: tests below)
     on_disk = json.loads((pkg / "speculation.json").read_text())
     assert on_disk == json.loads(json.dumps(rec))
     loaded = load_package(pkg)  # manifest still verifies
@@ -320,6 +321,27 @@ def test_measure_and_decode_draft_lm_tree(setup, tmp_path):
     assert (summary["draft_kind"], summary["k"], summary["tree_size"]) == ("lm-tree", 2, 5)
     assert _decode(setup, pkg, "limit=1", "tree=chain", "baseline=false")["summary"][
         "draft_kind"] == "lm"
+
+
+def test_measure_picks_a_medusa_tree_that_decode_uses(setup, tmp_path):
+    pkg, rec = _measure_copy(setup, tmp_path, "medusa", "medusa_branchings=[[2],[2,1],[1,1,1,1,1]]")
+    tree = rec["tree"]
+    # the package has 3 heads: a 5-level tree cannot be served and is not tried
+    assert [g["branching"] for g in tree["grid"]] == [[2], [2, 1]]
+    best = max(tree["grid"], key=lambda g: g["tokens_per_s"])
+    assert (tree["branching"], tree["depth"]) == (best["branching"], len(best["branching"]))
+    assert set(rec["costs"]["t_verify_tree"]) == {str(g["total_tokens"]) for g in tree["grid"]}
+    summary = _decode(setup, pkg, "limit=1")["summary"]
+    assert (summary["k"], summary["k_source"]) == (tree["depth"], "speculation.json (tree)")
+    assert summary["matches_baseline"] == 1.0
+    assert _decode(setup, pkg, "limit=1", "baseline=false", "medusa_branching=[3,1]")[
+        "summary"]["k_source"] != "speculation.json (tree)"
+    assert decode.resolve_medusa_branching(None, rec, "float32", "cpu") == (
+        tree["branching"], "speculation.json (tree)")
+    assert decode.resolve_medusa_branching(None, rec, "bfloat16", "cpu") == ([4, 2, 2, 1], "default")
+    with pytest.raises(ValueError, match="medusa_branchings takes non-empty lists"):
+        measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
+                               "medusa_branchings=[[2,0]]"])
 
 
 def test_lm_tree_is_the_default_only_where_it_beat_the_chain():
