@@ -280,6 +280,10 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         cfg = OmegaConf.merge(cfg, {"tree_size": size})
         if depth is not None and cfg.k is None:  # the measured tree shape
             k, k_source = depth, source
+    tree_rec = (spec or {}).get("tree") or {}
+    if (k_source == "speculation.json (tree)" and (spec or {}).get("k_star") == 0
+            and (tree_rec.get("speedup") or 0.0) < 1.0):  # neither the chain nor a tree paid
+        k, k_source = 0, f"speculation.json (K* = 0, best tree {tree_rec.get('speedup') or 0:.2f}x)"
     proposer, kind = build_proposer(cfg, loaded, int(model.config.vocab_size), pkg)
     target = Target(model, proposer.layer_ids)
     eos = model.generation_config.eos_token_id if model.generation_config else None

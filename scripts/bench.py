@@ -210,8 +210,10 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                      "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
             for tree, name in modes:
                 note(f"T={t}: ours {name}")
-                if tree == "tree" and cfg.k is None and measured_tree(path, cfg):
-                    res = _ours(cfg, loaded, path, t, None, tree)  # the measured tree shape
+                depth = measured_tree(path, cfg) if tree == "tree" and cfg.k is None else None
+                if depth:  # the measured tree shape (also where it does not pay: shown as such)
+                    res = _ours(cfg, loaded, path, t, depth, tree)
+                    res["summary"]["k_source"] = "speculation.json (tree)"
                 else:
                     res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
                     res["summary"]["k_source"] = k_of[fam][1]

@@ -288,6 +288,8 @@ def test_measure_picks_an_eagle_tree_shape_that_decode_uses(setup, tmp_path):
     best = max(tree["grid"], key=lambda g: g["tokens_per_s"])
     assert (tree["depth"], tree["total_tokens"]) == (best["depth"], best["total_tokens"])
     assert set(rec["costs"]["t_verify_tree"]) == {"3", "6"}
+    # (random tiny models: whether the tree paid is chance; say it did)
+    update_package_json(pkg, "speculation.json", {**rec, "tree": {**tree, "speedup": 1.1}})
     summary = _decode(setup, pkg, "limit=1", "baseline=false", "tree_topk=3")["summary"]
     assert summary["draft_kind"] == "eagle-tree"
     assert (summary["k"], summary["k_source"], summary["tree_size"]) == (
@@ -331,6 +333,8 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(setup, tmp_path):
     best = max(tree["grid"], key=lambda g: g["tokens_per_s"])
     assert (tree["branching"], tree["depth"]) == (best["branching"], len(best["branching"]))
     assert set(rec["costs"]["t_verify_tree"]) == {str(g["total_tokens"]) for g in tree["grid"]}
+    # (random tiny models: whether the tree paid is chance; say it did, the K* = 0 case is below)
+    update_package_json(pkg, "speculation.json", {**rec, "tree": {**tree, "speedup": 1.1}})
     summary = _decode(setup, pkg, "limit=1")["summary"]
     assert (summary["k"], summary["k_source"]) == (tree["depth"], "speculation.json (tree)")
     assert summary["matches_baseline"] == 1.0
@@ -339,6 +343,11 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(setup, tmp_path):
     assert decode.resolve_medusa_branching(None, rec, "float32", "cpu") == (
         tree["branching"], "speculation.json (tree)")
     assert decode.resolve_medusa_branching(None, rec, "bfloat16", "cpu") == ([4, 2, 2, 1], "default")
+    # K* = 0 and the best tree a loss too: the default is plain decoding
+    update_package_json(pkg, "speculation.json", {**rec, "k_star": 0,
+                                                  "tree": {**tree, "speedup": 0.9}})
+    summary = _decode(setup, pkg, "limit=1", "baseline=false")["summary"]
+    assert (summary["k"], summary["k_source"]) == (0, "speculation.json (K* = 0, best tree 0.90x)")
     with pytest.raises(ValueError, match="medusa_branchings takes non-empty lists"):
         measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
                                "medusa_branchings=[[2,0]]"])
