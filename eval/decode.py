@@ -212,6 +212,38 @@ def resolve_medusa_branching(branching: Any, speculation: Mapping | None, dtype:
     return list(DEFAULT_MEDUSA_BRANCHING), "default"
 
 
+def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
+    """The draft length / tree depth to start from, its source, and ``cfg`` with the null tree
+    settings filled from the package's ``speculation.json`` (for this dtype and device type).
+
+    Chains start at K* (:func:`resolve_k`). Trees take the measured shape: the EAGLE and
+    draft-LM dynamic tree (:func:`resolve_tree`; a draft LM's ``tree=auto`` becomes ``tree``
+    where :func:`lm_tree_pays`), the Medusa branching (:func:`resolve_medusa_branching`). With
+    K* = 0 and the best measured tree a loss too, the start is plain decoding (K = 0).
+    """
+    spec = pkg.speculation if pkg is not None else None
+    k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
+    if pkg is None:
+        return cfg, k, k_source
+    if pkg.kind == "lm" and cfg.tree == "auto" and lm_tree_pays(spec, cfg.dtype, cfg.device):
+        cfg = OmegaConf.merge(cfg, {"tree": "tree"})
+    if pkg.kind == "medusa" and cfg.tree in ("auto", "tree"):
+        branching, source = resolve_medusa_branching(cfg.medusa_branching, spec, cfg.dtype,
+                                                     cfg.device)
+        cfg = OmegaConf.merge(cfg, {"medusa_branching": branching})
+        if source != "default" and cfg.k is None:  # the measured tree's depth
+            k, k_source = len(branching), source
+    if (pkg.kind, cfg.tree) in (("eagle", "auto"), ("eagle", "tree"), ("lm", "tree")):
+        depth, size, source = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
+        cfg = OmegaConf.merge(cfg, {"tree_size": size})
+        if depth is not None and cfg.k is None:  # the measured tree shape
+            k, k_source = depth, source
+    tree_speedup = ((spec or {}).get("tree") or {}).get("speedup") or 0.0
+    if k_source == "speculation.json (tree)" and spec.get("k_star") == 0 and tree_speedup < 1.0:
+        k, k_source = 0, f"speculation.json (K* = 0, best tree {tree_speedup:.2f}x)"
+    return cfg, k, k_source
+
+
 def _validate(cfg: DictConfig) -> None:
     if cfg.tree not in TREE_MODES:
         raise ValueError(f"tree={cfg.tree!r}: allowed {TREE_MODES}")
@@ -264,26 +296,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     pkg = None
     if draft.lower() not in NO_DRAFT and draft != "lookup":
         pkg = load_draft(draft, loaded)
-    spec = pkg.speculation if pkg is not None else None
-    k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
-    if (pkg is not None and pkg.kind == "lm" and cfg.tree == "auto"
-            and lm_tree_pays(spec, cfg.dtype, cfg.device)):
-        cfg = OmegaConf.merge(cfg, {"tree": "tree"})
-    if pkg is not None and pkg.kind == "medusa" and cfg.tree in ("auto", "tree"):
-        branching, source = resolve_medusa_branching(cfg.medusa_branching, spec, cfg.dtype,
-                                                     cfg.device)
-        cfg = OmegaConf.merge(cfg, {"medusa_branching": branching})
-        if source != "default" and cfg.k is None:  # the measured tree's depth
-            k, k_source = len(branching), source
-    if pkg is not None and (pkg.kind, cfg.tree) in (("eagle", "auto"), ("eagle", "tree"), ("lm", "tree")):
-        depth, size, source = resolve_tree(cfg.k, cfg.tree_size, spec, cfg.dtype, cfg.device)
-        cfg = OmegaConf.merge(cfg, {"tree_size": size})
-        if depth is not None and cfg.k is None:  # the measured tree shape
-            k, k_source = depth, source
-    tree_rec = (spec or {}).get("tree") or {}
-    if (k_source == "speculation.json (tree)" and (spec or {}).get("k_star") == 0
-            and (tree_rec.get("speedup") or 0.0) < 1.0):  # neither the chain nor a tree paid
-        k, k_source = 0, f"speculation.json (K* = 0, best tree {tree_rec.get('speedup') or 0:.2f}x)"
+    cfg, k, k_source = resolve_defaults(cfg, pkg)
     proposer, kind = build_proposer(cfg, loaded, int(model.config.vocab_size), pkg)
     target = Target(model, proposer.layer_ids)
     eos = model.generation_config.eos_token_id if model.generation_config else None

@@ -122,7 +122,8 @@ class Proposal:
 # bookkeeping; the drafter's forward stays with the proposer.
 
 class DynamicTree:
-    """EAGLE-2 dynamic tree bookkeeping: nodes drafted so far, their scores and the cache order they were fed in.
+    """EAGLE-2 dynamic tree bookkeeping: nodes drafted so far, their scores, and the order in
+    which they were fed to the drafter's cache.
 
     Args:
         topk: children per expanded node, and nodes expanded per depth.
@@ -301,12 +302,15 @@ class DraftLMProposer(Proposer):
     def _cached(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
-    def _step(self, ids: Sequence[int]) -> torch.Tensor:
+    def _forward(self, ids: Sequence[int], **kwargs) -> torch.Tensor:
+        """Feed ``ids`` after the cache; ``(T', V)`` logits in the target vocabulary."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
         with native_gqa(self.device.type == "cpu" and x.shape[1] > 1):
-            out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True,
-                             **self._keep)
-        return fit_vocab(out.logits[0, -1].float(), self.vocab_size)  # (V,)
+            out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True, **kwargs)
+        return fit_vocab(out.logits[0].float(), self.vocab_size)
+
+    def _step(self, ids: Sequence[int]) -> torch.Tensor:
+        return self._forward(ids, **self._keep)[-1]  # (V,) after the last token
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -335,19 +339,18 @@ class DraftLMProposer(Proposer):
         return Proposal.chain(drafts, torch.stack(qs) if qs else None)
 
     def _propose_tree(self, root_logits: torch.Tensor, depth: int) -> Proposal:
-        """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the expanded nodes' tokens in
-        one forward with a tree mask; the cache is cropped back to the committed prefix after."""
+        """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the
+        expanded nodes' tokens in one forward with a tree mask; the cache is cropped back to the
+        committed prefix after."""
         tree = DynamicTree(self.topk)
         frontier = tree.add_children(-1, torch.log_softmax(root_logits, dim=-1))
         for _ in range(2, depth + 1):
             expand = tree.expand(frontier)
             mask, pos = tree.feed(expand, self._base)
-            ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long, device=self.device)
-            with native_gqa(self.device.type == "cpu" and len(expand) > 1):
-                out = self.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True,
-                                 position_ids=pos.view(1, -1).to(self.device),
-                                 attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            logp = torch.log_softmax(fit_vocab(out.logits[0].float(), self.vocab_size), dim=-1)
+            logits = self._forward([tree.tokens[j] for j in expand],
+                                   position_ids=pos.view(1, -1).to(self.device),
+                                   attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
+            logp = torch.log_softmax(logits, dim=-1)  # (n, V)
             frontier = []
             for row, j in enumerate(expand):
                 frontier.extend(tree.add_children(j, logp[row]))

@@ -173,7 +173,9 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
         assistant = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
     # the draft LM's measured dynamic tree (if any) runs too; assisted generation then also runs
     # at its depth, so that each of ours has transformers' assisted generation at the same K
-    lm_tree_depth = measured_tree(drafts["lm"], cfg) if "lm" in drafts and cfg.k is None else None
+    tree_depth_of = {fam: measured_tree(path, cfg) if cfg.k is None else None
+                     for fam, path in drafts.items()}
+    lm_tree_depth = tree_depth_of.get("lm")
     assisted_ks = sorted({k_lm} | ({lm_tree_depth} if lm_tree_depth else set()))
     rows = []
     for t in [float(x) for x in cfg.temperatures]:
@@ -210,7 +212,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                      "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
             for tree, name in modes:
                 note(f"T={t}: ours {name}")
-                depth = measured_tree(path, cfg) if tree == "tree" and cfg.k is None else None
+                depth = tree_depth_of[fam] if tree == "tree" else None
                 if depth:  # the measured tree shape (also where it does not pay: shown as such)
                     res = _ours(cfg, loaded, path, t, depth, tree)
                     res["summary"]["k_source"] = "speculation.json (tree)"
