@@ -263,6 +263,19 @@ class FeatureDataset(torch.utils.data.Dataset):
             item["layers"] = torch.stack([f.get_slice(f"layer_{i}")[a:b] for i in self.layers])
         return item
 
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """``(vocab_size,)`` counts of the loss-masked tokens (what a draft learns to predict),
+        read shard by shard without the hidden states."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for k in range(len(self.manifest["shards"])):
+            f = self._shard(k)
+            ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                raise FeatureCacheError(f"{self.dir}: token ids outside 0..{vocab_size - 1}; the "
+                                        "cache was built for another vocabulary")
+            counts += torch.bincount(ids, minlength=vocab_size)
+        return counts
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_handles"] = {}

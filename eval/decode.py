@@ -39,6 +39,7 @@ from eval.proposers import (
 from eval.proposers_eagle import EagleProposer
 from eval.stats import DecodeStats
 from eval.target_model import Target
+from heads.vocab import FULL, frequent_ids, package_token_counts
 
 CONF_FILE = Path(__file__).resolve().parents[1] / "conf" / "decode.yaml"
 NO_DRAFT = ("none", "null", "")
@@ -47,6 +48,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
 DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
 DEFAULT_MEDUSA_BRANCHING = (4, 2, 2, 1)  # Medusa tree when neither medusa_branching= nor a measured one
+VOCAB_FAMILIES = ("lm", "eagle")  # families that can draft over a frequent-token vocabulary
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -125,10 +127,11 @@ def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
     pkg = pkg if pkg is not None else load_draft(draft, loaded_target)
     module = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
     tree = cfg.tree
+    vocab_ids = draft_vocab_ids(cfg.get("draft_vocab"), pkg, loaded_target, vocab_size)
     if pkg.kind == "lm":  # auto = chain here; run() turns auto into tree when that measured faster
         size = cfg.tree_size if cfg.tree_size is not None else DEFAULT_TREE_SIZE
         prop = DraftLMProposer(module, vocab_size, tree=tree == "tree", topk=int(cfg.tree_topk),
-                               total_tokens=int(size))
+                               total_tokens=int(size), vocab_ids=vocab_ids)
         return prop, prop.kind
     if pkg.kind == "medusa":
         if tree == "chain":  # one candidate per head: a chain through the tree verifier
@@ -140,9 +143,39 @@ def build_proposer(cfg: DictConfig, loaded_target: Any, vocab_size: int,
         use_tree = tree in ("auto", "tree")
         size = cfg.tree_size if cfg.tree_size is not None else DEFAULT_TREE_SIZE
         prop = EagleProposer(module, vocab_size, tree=use_tree, topk=int(cfg.tree_topk),
-                             total_tokens=int(size))
+                             total_tokens=int(size), vocab_ids=vocab_ids)
         return prop, prop.kind
     raise ValueError(f"unknown draft kind {pkg.kind!r} in {draft}")
+
+
+def parse_draft_vocab(value: Any, vocab_size: int | None = None) -> int | None:
+    """``draft_vocab`` as a size (None = the whole vocabulary; ``full`` and ``0`` say so)."""
+    if value is None or (isinstance(value, str) and value.lower() == FULL) or value == 0:
+        return None
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = -1
+    if size < 1 or isinstance(value, bool) or (vocab_size is not None and size > vocab_size):
+        top = vocab_size if vocab_size is not None else "the vocabulary size"
+        raise ValueError(f"draft_vocab={value!r}: allowed null (measured), full, or a number of "
+                         f"most frequent ids in 1..{top}")
+    return None if vocab_size is not None and size == vocab_size else size
+
+
+def draft_vocab_ids(value: Any, pkg: Any, loaded_target: Any, vocab_size: int
+                    ) -> torch.Tensor | None:
+    """The target ids a draft drafts over for ``draft_vocab`` (None = all): the most frequent ids
+    of the package's ``token_frequency.json`` plus the target's EOS ids."""
+    size = parse_draft_vocab(value, vocab_size)
+    if size is None:
+        return None
+    if pkg.kind not in VOCAB_FAMILIES:
+        raise ValueError(f"draft_vocab={value} applies to {VOCAB_FAMILIES} drafts, not "
+                         f"{pkg.kind}; use draft_vocab=full")
+    eos = getattr(getattr(loaded_target.model, "generation_config", None), "eos_token_id", None)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return frequent_ids(package_token_counts(pkg.path, vocab_size), size, eos)
 
 
 def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
@@ -212,6 +245,15 @@ def resolve_medusa_branching(branching: Any, speculation: Mapping | None, dtype:
     return list(DEFAULT_MEDUSA_BRANCHING), "default"
 
 
+def resolve_draft_vocab(speculation: Mapping | None, dtype: str | None = None,
+                        device: str | None = None) -> int | str:
+    """The draft vocabulary measured fastest in ``speculation.json`` (for this dtype and device
+    type): its size, or ``full`` when the whole vocabulary won or nothing was measured."""
+    _, source = resolve_k(None, speculation, dtype, device)
+    size = ((speculation or {}).get("draft_vocab") or {}).get("size")
+    return int(size) if source == "speculation.json" and size else FULL
+
+
 def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
     """The draft length / tree depth to start from, its source, and ``cfg`` with the null tree
     settings filled from the package's ``speculation.json`` (for this dtype and device type).
@@ -219,7 +261,8 @@ def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
     Chains start at K* (:func:`resolve_k`). Trees take the measured shape: the EAGLE and
     draft-LM dynamic tree (:func:`resolve_tree`; a draft LM's ``tree=auto`` becomes ``tree``
     where :func:`lm_tree_pays`), the Medusa branching (:func:`resolve_medusa_branching`). With
-    K* = 0 and the best measured tree a loss too, the start is plain decoding (K = 0).
+    K* = 0 and the best measured tree a loss too, the start is plain decoding (K = 0). A null
+    ``draft_vocab`` takes the measured one (:func:`resolve_draft_vocab`).
     """
     spec = pkg.speculation if pkg is not None else None
     k, k_source = resolve_k(cfg.k, spec, cfg.dtype, cfg.device)
@@ -238,6 +281,8 @@ def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
         cfg = OmegaConf.merge(cfg, {"tree_size": size})
         if depth is not None and cfg.k is None:  # the measured tree shape
             k, k_source = depth, source
+    if pkg.kind in VOCAB_FAMILIES and cfg.get("draft_vocab") is None:
+        cfg = OmegaConf.merge(cfg, {"draft_vocab": resolve_draft_vocab(spec, cfg.dtype, cfg.device)})
     tree_speedup = ((spec or {}).get("tree") or {}).get("speedup") or 0.0
     if k_source == "speculation.json (tree)" and spec.get("k_star") == 0 and tree_speedup < 1.0:
         k, k_source = 0, f"speculation.json (K* = 0, best tree {tree_speedup:.2f}x)"
@@ -253,6 +298,7 @@ def _validate(cfg: DictConfig) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.limit is not None and int(cfg.limit) < 1:
         raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
+    parse_draft_vocab(cfg.get("draft_vocab"))
     if cfg.k is not None and int(cfg.k) < 0:
         raise ValueError(f"k must be >= 0 or null (K* from speculation.json), got {cfg.k}")
 
@@ -323,6 +369,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                "k": k, "k_source": k_source,
                "tree_size": (getattr(proposer, "total_tokens", None)
                              if getattr(proposer, "tree", False) else None),
+               "draft_vocab": getattr(proposer, "draft_vocab", None),
                "draft_kind": kind,
                "draft": None if kind == "plain" else str(cfg.draft), "lossless": dec.lossless,
                "device": str(target.device), "dtype": cfg.dtype,

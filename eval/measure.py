@@ -49,6 +49,9 @@ MEASURE_DEFAULTS = {
     "tree_sizes": [8, 16, 32],  # EAGLE / draft LM: dynamic-tree sizes (nodes kept after the rerank) tried
     # Medusa: static-tree shapes tried (top-k per head; [] skips the search)
     "medusa_branchings": [[1], [2], [4], [2, 1], [4, 1], [2, 2, 1], [4, 2, 1], [4, 2, 2, 1]],
+    # EAGLE / draft LM with token_frequency.json: draft vocabularies tried (most frequent ids;
+    # the whole vocabulary always runs too; [] skips the search)
+    "draft_vocab_sizes": [4096, 8192, 16384],
     "write": True,           # write speculation.json into the package (false = print only)
 }
 CONFIG_NAME = "draftsmith_measure"
@@ -77,6 +80,10 @@ def _validate(cfg: DictConfig) -> None:
     if bad:
         raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
                          "pass medusa_branchings=[] to skip the Medusa tree-shape search")
+    bad = [v for v in cfg.draft_vocab_sizes if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        raise ValueError(f"draft_vocab_sizes takes ids counts >= 1, got {bad}; pass "
+                         "draft_vocab_sizes=[] to skip the draft-vocabulary search")
     if int(cfg.repeats) < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
@@ -165,6 +172,60 @@ def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[di
             "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
 
 
+def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
+                        cfg: DictConfig, eos: Any, rec: dict[str, Any]) -> dict[str, Any] | None:
+    """Decode with the drafting ``rec`` makes the default (decode.py's defaults for this record,
+    without adaptation or fallback) over each of ``draft_vocab_sizes`` most frequent ids and over
+    the whole vocabulary; the fastest and the grid (None: nothing to measure, with no note).
+
+    Plain decoding runs before and after the grid, as in :func:`measure_tree`. The draft's
+    vocabulary trades draft time (LM-head rows) against acceptance (targets outside the subset
+    can never be drafted), so it is measured like K*; it is chosen after K* and the tree shape.
+    """
+    from dataclasses import replace
+
+    from eval.decode import VOCAB_FAMILIES, resolve_defaults
+    from heads.vocab import TOKEN_FREQUENCY
+
+    vocab = int(model.config.vocab_size)
+    sizes = sorted({int(n) for n in cfg.draft_vocab_sizes if int(n) < vocab})
+    if (pkg.kind not in VOCAB_FAMILIES or not sizes or getattr(pkg.module, "reduced", False)
+            or not (pkg.path / TOKEN_FREQUENCY).is_file()):
+        return None
+    base_cfg = OmegaConf.merge(cfg, {"k": None, "draft_vocab": "full"})
+    shape_cfg, k, _ = resolve_defaults(base_cfg, replace(pkg, speculation=rec))
+    if k == 0:  # plain decoding is the default: measure the best tree (or chain K = 1) instead
+        tree = rec.get("tree") or {}
+        k = int(tree.get("depth") or 1)
+        shape_cfg = OmegaConf.merge(shape_cfg, {"tree": "tree" if tree else "chain",
+                                                "tree_size": tree.get("total_tokens")})
+    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
+    plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+    before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
+    grid = []
+    for size in [None] + sizes:
+        vcfg = OmegaConf.merge(shape_cfg, {"draft_vocab": size or "full"})
+        proposer, kind = build_proposer(vcfg, loaded, vocab, pkg)
+        dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k,
+                                 adaptive=False, fallback=False)
+        dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+        st = decode_set(dec, records, cfg, eos)[1]
+        grid.append({"size": size, "tokens_per_s": st.tokens_per_s, "tau": st.tau,
+                     "acceptance_rate": st.acceptance_rate,
+                     "draft_ms_per_step": 1e3 * st.draft_time_s / max(st.spec_steps, 1)})
+    after = decode_set(plain, records, cfg, eos)[1].tokens_per_s
+    base = (before + after) / 2
+    for g in grid:
+        g["speedup"] = g["tokens_per_s"] / base if base else None
+    best = max(grid, key=lambda g: g["tokens_per_s"])
+    return {"size": best["size"], "speedup": best["speedup"], "tau": best["tau"],
+            "drafting": {"kind": kind, "k": k, "tree_size": getattr(proposer, "total_tokens", None)
+                         if getattr(proposer, "tree", False) else None},
+            "baseline_tokens_per_s": base, "baseline_before_after": [before, after],
+            "grid": grid, "prompts": len(records), "temperature": float(cfg.temperature),
+            "max_new_tokens": int(cfg.max_new_tokens)}
+
+
 def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     """Measure ``cfg.draft`` and (``write=true``) store the record as its ``speculation.json``.
 
@@ -209,6 +270,9 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     tree = measure_tree(model, loaded, pkg, records, cfg, eos)
     if tree is not None:
         rec["tree"] = tree
+    vocab_rec = measure_draft_vocab(model, loaded, pkg, records, cfg, eos, rec)
+    if vocab_rec is not None:
+        rec["draft_vocab"] = vocab_rec
     rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:
@@ -248,6 +312,17 @@ def print_record(rec: dict[str, Any]) -> None:
         console.print(f"plain decoding before / after the grid: "
                       f"{tree['baseline_before_after'][0]:.1f} / "
                       f"{tree['baseline_before_after'][1]:.1f} tokens/s")
+    dv = rec.get("draft_vocab")
+    if dv:
+        d = dv["drafting"]
+        grid = Table(title=f"draft vocabulary ({d['kind']}, K = {d['k']}): best "
+                           f"{dv['size'] or 'full'}")
+        for col in ("ids", "tau", "draft ms / step", "tokens/s", "speedup"):
+            grid.add_column(col, justify="right")
+        for g in dv["grid"]:
+            grid.add_row(str(g["size"] or "full"), f"{g['tau']:.2f}", f"{g['draft_ms_per_step']:.1f}",
+                         f"{g['tokens_per_s']:.1f}", f"{g['speedup']:.2f}x")
+        console.print(grid)
 
 
 def _register_config() -> str:

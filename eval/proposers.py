@@ -262,6 +262,29 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
+def head_rows(head: nn.Module, vocab_ids: torch.Tensor, vocab_size: int,
+              config: object = None) -> torch.Tensor:
+    """Rows ``vocab_ids`` of an LM head, ``(N, H)``: the logits of those ids alone.
+
+    Raises:
+        ValueError: the ids are not sorted unique target ids, or the logits are not a plain
+            bias-free linear map of the hidden state (``head`` with a bias, or ``config`` with a
+            logit scale or soft-capping), where a row subset would change them.
+    """
+    ids = vocab_ids.flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"vocab_ids must be non-empty target ids in 0..{vocab_size - 1}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("vocab_ids must be sorted ascending without repeats")
+    scaled = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+              if getattr(config, a, None) not in (None, 1, 1.0)]
+    if not isinstance(head, nn.Linear) or head.bias is not None or scaled:
+        raise ValueError(f"the logits are not a bias-free linear map of the hidden state "
+                         f"({scaled or type(head).__name__}): a draft vocabulary cannot be cut "
+                         "from this LM head; use draft_vocab=full")
+    return head.weight.detach()[ids.to(head.weight.device)].contiguous()
+
+
 class DraftLMProposer(Proposer):
     """A small causal LM drafting a chain, or an EAGLE-2 dynamic tree, with its own KV cache.
 
@@ -277,12 +300,15 @@ class DraftLMProposer(Proposer):
         tree: draft a dynamic tree instead of a chain.
         topk: tree branching (children per expanded node and nodes expanded per depth).
         total_tokens: tree nodes kept after the final rerank.
+        vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`): only
+            these rows of the LM head are computed, and ``q`` is zero elsewhere (lossless, as any
+            ``q``). None drafts over the whole vocabulary.
     """
 
     kind = "lm"
 
     def __init__(self, model: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
-                 total_tokens: int = 60) -> None:
+                 total_tokens: int = 60, vocab_ids: torch.Tensor | None = None) -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
         self.model = model
@@ -298,19 +324,48 @@ class DraftLMProposer(Proposer):
         # feeds the whole prompt) where the model's forward supports it
         self._keep = ({"logits_to_keep": 1} if "logits_to_keep" in
                       inspect.signature(model.forward).parameters else {})
+        self.vocab_ids: torch.Tensor | None = None
+        if vocab_ids is not None:
+            self.vocab_ids = torch.as_tensor(vocab_ids).long().to(self.device)
+            self._sub_head = head_rows(model.get_output_embeddings(), self.vocab_ids, vocab_size,
+                                       model.config)
+            self._decoder = model.get_decoder()
+            self._decoder_cache_kw = cache_kwarg(self._decoder)
+
+    @property
+    def draft_vocab(self) -> int | None:
+        """Ids drafted over (None: the whole vocabulary)."""
+        return None if self.vocab_ids is None else int(self.vocab_ids.numel())
 
     def _cached(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
-    def _forward(self, ids: Sequence[int], **kwargs) -> torch.Tensor:
-        """Feed ``ids`` after the cache; ``(T', V)`` logits in the target vocabulary."""
+    def _forward(self, ids: Sequence[int], last_only: bool = False, **kwargs) -> torch.Tensor:
+        """Feed ``ids`` after the cache; ``(T', V')`` logits over the drafted ids (the target
+        vocabulary, or ``vocab_ids``), ``T' = 1`` when ``last_only``."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
         with native_gqa(self.device.type == "cpu" and x.shape[1] > 1):
-            out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True, **kwargs)
-        return fit_vocab(out.logits[0].float(), self.vocab_size)
+            if self.vocab_ids is None:
+                out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True,
+                                 **(self._keep if last_only else {}), **kwargs)
+                return fit_vocab(out.logits[0].float(), self.vocab_size)
+            h = self._decoder(input_ids=x, **{self._decoder_cache_kw: self.cache}, use_cache=True,
+                              **kwargs).last_hidden_state[0]  # (T, H)
+        if last_only:
+            h = h[-1:]
+        return torch.nn.functional.linear(h, self._sub_head).float()
 
     def _step(self, ids: Sequence[int]) -> torch.Tensor:
-        return self._forward(ids, **self._keep)[-1]  # (V,) after the last token
+        return self._forward(ids, last_only=True)[-1]  # (V',) after the last token
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.vocab_ids is None else self.vocab_ids[ids]
+
+    def _scatter_q(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` over the drafted ids -> the target vocabulary (zero outside ``vocab_ids``)."""
+        if self.vocab_ids is None:
+            return q
+        return q.new_zeros(self.vocab_size).index_copy(0, self.vocab_ids.to(q.device), q)
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -330,9 +385,10 @@ class DraftLMProposer(Proposer):
         qs: list[torch.Tensor] = []
         for i in range(k):
             x, q_i = ctx.sampling.sample(logits, ctx.generator)  # q_i None when greedy
+            x = int(self._to_target(torch.tensor(x)))
             drafts.append(x)
             if q_i is not None:
-                qs.append(q_i)
+                qs.append(self._scatter_q(q_i))
             if i < k - 1:
                 logits = self._step([x])
         self._fed_drafts = k - 1
@@ -342,7 +398,7 @@ class DraftLMProposer(Proposer):
         """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the
         expanded nodes' tokens in one forward with a tree mask; the cache is cropped back to the
         committed prefix after."""
-        tree = DynamicTree(self.topk)
+        tree = DynamicTree(self.topk, None if self.vocab_ids is None else self._to_target)
         frontier = tree.add_children(-1, torch.log_softmax(root_logits, dim=-1))
         for _ in range(2, depth + 1):
             expand = tree.expand(frontier)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eval.proposers import DecodeContext, DynamicTree, Proposal, Proposer
+from eval.proposers import DecodeContext, DynamicTree, Proposal, Proposer, head_rows
 from eval.target_model import TargetOutput
 
 
@@ -34,12 +34,15 @@ class EagleProposer(Proposer):
         topk: branching factor of the dynamic tree (children per expanded node and nodes expanded
             per depth).
         total_tokens: nodes kept after the final rerank of the dynamic tree.
+        vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`) for a
+            full-vocabulary head: only these rows of the LM head are computed and ``q`` is zero
+            elsewhere (lossless, as any ``q``). None: the head's own vocabulary.
     """
 
     kind = "eagle"
 
     def __init__(self, head: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
-                 total_tokens: int = 60) -> None:
+                 total_tokens: int = 60, vocab_ids: torch.Tensor | None = None) -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
         self.head = head
@@ -54,6 +57,14 @@ class EagleProposer(Proposer):
         # reduced-vocabulary heads carry d2t (draft id -> target id); others draft in target ids
         d2t = getattr(head, "d2t", None) if getattr(head, "reduced", False) else None
         self._d2t: torch.Tensor | None = None if d2t is None else d2t.long().to(self.device)
+        self._sub_head: torch.Tensor | None = None
+        if vocab_ids is not None:
+            if d2t is not None:
+                raise ValueError("this EAGLE head was trained with a reduced vocabulary "
+                                 f"({d2t.numel()} ids): it drafts over those; use draft_vocab=full")
+            ids = torch.as_tensor(vocab_ids).long().to(self.device)
+            self._sub_head = head_rows(head.lm_head, ids, vocab_size)
+            self._d2t = ids
         self.kind = "eagle-tree" if tree else "eagle"
         self.cache = None
         self.n_true = 0
@@ -80,7 +91,14 @@ class EagleProposer(Proposer):
         q = q_draft.new_zeros(self.vocab_size)
         return q.index_add(0, ids.to(q.device), q_draft)
 
+    @property
+    def draft_vocab(self) -> int | None:
+        """Ids drafted over (None: the whole vocabulary)."""
+        return None if self._d2t is None else int(self._d2t.numel())
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._sub_head is not None:
+            return torch.nn.functional.linear(hidden, self._sub_head).float()
         return self.head.compute_logits(hidden).float()
 
     # ----- protocol --------------------------------------------------------------------------

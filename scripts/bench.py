@@ -71,7 +71,7 @@ def row(method: str, result: dict, temperature: float, plain: dict | None,
     tps = per_prompt_tps(samples)
     return {"method": method, "temperature": temperature, "k": s.get("k"),
             "k_source": s.get("k_source"), "tree_size": s.get("tree_size"),
-            "draft_kind": s.get("draft_kind"),
+            "draft_kind": s.get("draft_kind"), "draft_vocab": s.get("draft_vocab"),
             "tokens": s["tokens_generated"], "median_tokens_per_s": statistics.median(tps),
             "tokens_per_s": s["tokens_per_s"], "tau": s.get("tau"),
             "acceptance_rate": s.get("acceptance_rate"), "alpha": s.get("alpha") or [],
@@ -90,9 +90,10 @@ def note(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- decoding
 def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int | None,
-          tree: str, adaptive: bool | None = None) -> dict:
+          tree: str, adaptive: bool | None = None, draft_vocab: Any = None) -> dict:
     adaptive = bool(cfg.adaptive_k) if adaptive is None else adaptive
     dcfg = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE), {
+        "draft_vocab": cfg.draft_vocab if draft_vocab is None else draft_vocab,
         "draft": draft, "prompts": str(repo_path(cfg.questions)), "limit": int(cfg.limit),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(temperature), "k": k,
         "adaptive_k": adaptive, "fallback": adaptive, "tree": tree,
@@ -176,6 +177,8 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
     tree_depth_of = {fam: measured_tree(path, cfg) if cfg.k is None else None
                      for fam, path in drafts.items()}
     lm_tree_depth = tree_depth_of.get("lm")
+    vocab_of = {fam: decode.resolve_draft_vocab(speculation_of(path), cfg.dtype, cfg.device)
+                for fam, path in drafts.items() if fam in decode.VOCAB_FAMILIES}
     assisted_ks = sorted({k_lm} | ({lm_tree_depth} if lm_tree_depth else set()))
     rows = []
     for t in [float(x) for x in cfg.temperatures]:
@@ -210,16 +213,22 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             modes = {"lm": [("chain", "lm")] + ([("tree", "lm-tree")] if lm_tree_depth else []),
                      "medusa": [("tree", "medusa")],
                      "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
+            # a measured frequent-token draft vocabulary runs as the default; the tree also runs
+            # over the whole vocabulary, which shows what the smaller LM head buys
+            vocabs = [(None, "")]
+            if vocab_of.get(fam) != decode.FULL and cfg.draft_vocab is None:
+                vocabs.append((decode.FULL, " full-vocab"))
             for tree, name in modes:
-                note(f"T={t}: ours {name}")
-                depth = tree_depth_of[fam] if tree == "tree" else None
-                if depth:  # the measured tree shape (also where it does not pay: shown as such)
-                    res = _ours(cfg, loaded, path, t, depth, tree)
-                    res["summary"]["k_source"] = "speculation.json (tree)"
-                else:
-                    res = _ours(cfg, loaded, path, t, k_of[fam][0], tree)
-                    res["summary"]["k_source"] = k_of[fam][1]
-                ours[name] = res
+                for vocab, suffix in vocabs if tree == "tree" else vocabs[:1]:
+                    note(f"T={t}: ours {name}{suffix}")
+                    depth = tree_depth_of[fam] if tree == "tree" else None
+                    if depth:  # the measured tree shape (also where it does not pay: shown as such)
+                        res = _ours(cfg, loaded, path, t, depth, tree, draft_vocab=vocab)
+                        res["summary"]["k_source"] = "speculation.json (tree)"
+                    else:
+                        res = _ours(cfg, loaded, path, t, k_of[fam][0], tree, draft_vocab=vocab)
+                        res["summary"]["k_source"] = k_of[fam][1]
+                    ours[name + suffix] = res
             if cfg.auto_rows and fam in ("lm", "eagle"):
                 # the decoder's defaults: K from speculation.json (else 4), adaptive K and the
                 # fallback to plain decoding when speculation is measured to be a loss
@@ -237,7 +246,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             rows.append(row(name, res, t, plain, hf))
         for name, res in ours.items():
             r = row(f"ours {name}", res, t, plain, hf)
-            if name in ("lm", "lm-tree"):  # the same draft LM at the same K
+            if name in ("lm", "lm-tree", "lm-tree full-vocab"):  # the same draft LM at the same K
                 for key, suffix in (("speedup_vs_hf_assisted", ""),
                                     ("speedup_vs_hf_assisted_gqa", " native-gqa")):
                     same_k = peers.get(f"hf_assisted K={r['k']}{suffix}")
@@ -427,6 +436,8 @@ def write_markdown(res: dict, path: Path) -> None:
         k = "-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"] else str(r["k"])
         if r.get("tree_size"):
             k += f", {r['tree_size']} nodes"
+        if r.get("draft_vocab"):
+            k += f", {r['draft_vocab']} draft ids"
         lines.append(f"| {r['temperature']:g} | {r['method']} | {k} | "
                      f"{_fmt(r['median_tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_plain'])}x | "
                      f"{_fmt(r['speedup_vs_hf_generate'])}x | {_fmt(r['tau'])} | "

@@ -231,10 +231,15 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
 
     pkg = tmp_path / "lm"
     shutil.copytree(setup["lm"], pkg)
+    from heads.vocab import frequency_record
+
+    vocab = setup["loaded"].model.config.vocab_size
+    update_package_json(pkg, "token_frequency.json",
+                        frequency_record(torch.arange(vocab, 0, -1), "test"))
     update_package_json(pkg, "speculation.json", {
         "k_star": 1, "dtype": "float32", "hardware": {"device": "cpu"},
         "measured_speedup": {"k": 1, "speedup": 1.0},
-        "tree": {"depth": 2, "total_tokens": 4, "speedup": 1.1}})
+        "tree": {"depth": 2, "total_tokens": 4, "speedup": 1.1}, "draft_vocab": {"size": 40}})
     cfg = OmegaConf.merge(OmegaConf.load(bench.CONF_FILE), {
         "questions": str(setup["questions"]), "limit": 1, "max_new_tokens": 6,
         "temperatures": [0.0], "lm": str(pkg), "tree_topk": 2, "prompt_lookup": False,
@@ -244,10 +249,16 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
     rows = {r["method"]: r for r in bench.run(cfg)["decoding"]}
     assert set(rows) == {"plain (ours)", "plain (ours), again last", "hf_generate",
                          "hf_assisted K=1", "hf_assisted K=2", "hf_assisted K=1 native-gqa",
-                         "hf_assisted K=2 native-gqa", "ours lm", "ours lm-tree"}
+                         "hf_assisted K=2 native-gqa", "ours lm", "ours lm-tree",
+                         "ours lm-tree full-vocab"}
     assert (rows["ours lm"]["k"], rows["ours lm-tree"]["k"]) == (1, 2)
     assert rows["ours lm-tree"]["tree_size"] == 4 and rows["ours lm-tree"]["same_as_plain"] == 1.0
-    assert all(rows[m]["speedup_vs_hf_assisted"] > 0 for m in ("ours lm", "ours lm-tree"))
+    # the measured draft vocabulary is the default; the tree also runs over the whole vocabulary
+    assert (rows["ours lm"]["draft_vocab"], rows["ours lm-tree"]["draft_vocab"]) == (40, 40)
+    assert rows["ours lm-tree full-vocab"]["draft_vocab"] is None
+    assert rows["ours lm-tree full-vocab"]["same_as_plain"] == 1.0
+    assert all(rows[m]["speedup_vs_hf_assisted"] > 0
+               for m in ("ours lm", "ours lm-tree", "ours lm-tree full-vocab"))
 
 
 def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(setup, tmp_path):
@@ -381,3 +392,53 @@ def test_resolve_k_uses_k_star_only_for_the_dtype_and_device_it_was_measured_on(
     assert decode.resolve_k(None, spec, "bfloat16", "cpu")[0] == decode.DEFAULT_K
     assert decode.resolve_k(2, spec, "bfloat16", "cpu") == (2, "config")
     assert decode.resolve_k(None, None) == (decode.DEFAULT_K, "default")
+
+
+@pytest.mark.parametrize("kind", ["lm", "eagle"])
+def test_draft_vocab_is_measured_and_decoded_losslessly(setup, tmp_path, kind):
+    import shutil
+
+    from heads.vocab import TOKEN_FREQUENCY, frequency_record
+
+    src, _ = _draft_package(setup, kind)
+    pkg = tmp_path / kind
+    shutil.copytree(src, pkg)
+    vocab = setup["loaded"].model.config.vocab_size
+    with pytest.raises(FileNotFoundError, match="scripts/token_frequency.py draft="):
+        _decode(setup, pkg, "limit=1", "draft_vocab=40")
+    counts = torch.arange(vocab, 0, -1)  # smaller ids more frequent
+    update_package_json(pkg, TOKEN_FREQUENCY, frequency_record(counts, "test"))
+    summary = _decode(setup, pkg, "limit=2", "k=2", "draft_vocab=40", "tree_topk=3")["summary"]
+    assert summary["draft_vocab"] == 40 and summary["matches_baseline"] == 1.0
+    assert summary["drafted"] > 0
+    # nothing measured yet: the whole vocabulary
+    assert _decode(setup, pkg, "limit=1", "k=2", "baseline=false")["summary"]["draft_vocab"] is None
+    rec = measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
+                                 f"prompts={setup['questions']}", "limit=2", "max_new_tokens=8",
+                                 "temperature=0", "k_measure=2", "repeats=2", "min_reached=1",
+                                 "tree_topk=3", "tree_depths=[2]", "tree_sizes=[6]",
+                                 "draft_vocab_sizes=[20,40,500]"])
+    dv = rec["draft_vocab"]
+    assert [g["size"] for g in dv["grid"]] == [None, 20, 40]  # 500 >= the vocabulary: skipped
+    best = max(dv["grid"], key=lambda g: g["tokens_per_s"])
+    assert dv["size"] == best["size"] and all(g["draft_ms_per_step"] > 0 for g in dv["grid"])
+    # decode's default is the measured size (say 20 won: random tiny models decide by chance)
+    update_package_json(pkg, "speculation.json", {**rec, "draft_vocab": {**dv, "size": 20}})
+    summary = _decode(setup, pkg, "limit=1", "tree_topk=3")["summary"]
+    assert summary["draft_vocab"] == 20 and summary["matches_baseline"] == 1.0
+    assert _decode(setup, pkg, "limit=1", "baseline=false", "draft_vocab=full")["summary"][
+        "draft_vocab"] is None
+    assert decode.resolve_draft_vocab({**rec, "draft_vocab": {"size": 20}}, "bfloat16", "cpu") == "full"
+    with pytest.raises(ValueError, match="draft_vocab_sizes takes"):
+        measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
+                               "draft_vocab_sizes=[0]"])
+
+
+def test_bad_draft_vocab_values_are_refused(setup):
+    with pytest.raises(ValueError, match="allowed null .measured., full, or a number"):
+        _decode(setup, setup["lm"], "limit=1", "draft_vocab=-3")
+    with pytest.raises(ValueError, match="allowed null .measured., full, or a number"):
+        _decode(setup, setup["lm"], "limit=1", "draft_vocab=some")
+    pkg, _ = _draft_package(setup, "medusa")
+    with pytest.raises(ValueError, match=r"applies to \('lm', 'eagle'\) drafts, not medusa"):
+        _decode(setup, pkg, "limit=1", "draft_vocab=40")

@@ -94,6 +94,37 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
 
     pkg = load_package(out / "draft")
     assert pkg.kind == kind
+    # token_frequency.json (heads/vocab.py): the loss-masked target ids of the training split
+    freq = json.loads((out / "draft" / "token_frequency.json").read_text())
+    report = json.loads((out / "draft" / "data_report.json").read_text())
+    assert 0 < freq["total"] < report["train"]["tokens"] and sum(freq["counts"]) == freq["total"]
+    assert freq["counts"] == sorted(freq["counts"], reverse=True)
+
+
+def test_token_frequency_script_recounts_what_training_wrote(warm_cache, tmp_path):
+    import shutil
+
+    from data.features import FeatureDataset
+    from data.prepare import default_feature_root
+    from heads.package import load_package, update_package_json
+    from scripts.token_frequency import add_token_frequency
+
+    src = warm_cache / "draft"
+    want = json.loads((src / "token_frequency.json").read_text())
+    train_dir = default_feature_root() / json.loads((src / "data_report.json").read_text())["key"] / "train"
+    data = FeatureDataset(train_dir)
+    by_item = torch.zeros(want["vocab_size"], dtype=torch.long)
+    for i in range(len(data)):  # the shard-level count equals counting item by item
+        item = data[i]
+        by_item += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=len(by_item))
+    assert torch.equal(data.token_counts(want["vocab_size"]), by_item)
+    for kwargs in ({}, {"train_cache": train_dir}):  # rebuilt from the config, or a named cache
+        pkg = tmp_path / f"pkg{len(kwargs)}"
+        shutil.copytree(src, pkg)
+        update_package_json(pkg, "token_frequency.json", {})  # as if it had been left out
+        add_token_frequency(pkg, **kwargs)
+        assert json.loads((pkg / "token_frequency.json").read_text()) == want
+        load_package(pkg)  # the manifest entry was updated with it
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])

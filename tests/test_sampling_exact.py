@@ -192,6 +192,7 @@ def test_toy_is_not_trivial():
 # ----------------------------------------------------------------------------- end to end
 E2E_SETTING = {"temperature": 0.6, "top_k": 4, "top_p": 1.0}
 E2E_SAMPLES = 600
+E2E_SUBSET = torch.tensor([0, 1, 3, 4, 6])  # a draft vocabulary of 5 of the 8 ids
 
 
 def _exact_tiny(model, prompt: list[int]) -> torch.Tensor:
@@ -206,8 +207,7 @@ def _exact_tiny(model, prompt: list[int]) -> torch.Tensor:
     return probs
 
 
-@pytest.mark.parametrize("kind", ["draft-lm-chain", "draft-lm-tree", "medusa-tree"])
-def test_decoder_end_to_end_sampling_is_exact(kind):
+def _e2e_p_value(kind: str) -> float:
     from eval.decoder import SpeculativeDecoder
     from eval.proposers import DraftLMProposer, MedusaProposer, medusa_choices
     from heads.medusa import MedusaConfig, build_medusa
@@ -215,8 +215,10 @@ def test_decoder_end_to_end_sampling_is_exact(kind):
 
     model = tiny_llama(seed=1, vocab=V, hidden=16, layers=1)
     if kind.startswith("draft-lm"):
+        # "-vocab": drafts over 5 of the 8 ids only (q = 0 elsewhere, heads/vocab.py)
         proposer = DraftLMProposer(tiny_llama(seed=2, vocab=V, hidden=16, layers=1), V,
-                                   tree=kind.endswith("tree"), topk=2, total_tokens=4)
+                                   tree="tree" in kind, topk=2, total_tokens=4,
+                                   vocab_ids=E2E_SUBSET if kind.endswith("vocab") else None)
     else:
         torch.manual_seed(2)
         heads = build_medusa(MedusaConfig(num_heads=2), model).eval()
@@ -232,4 +234,22 @@ def test_decoder_end_to_end_sampling_is_exact(kind):
         outs.append((res.output_ids[0] * V + res.output_ids[1]) * V + res.output_ids[2])
         accepted += res.stats.accepted
     assert 0 < accepted < E2E_SAMPLES  # speculation really happened, with rejections
-    assert chi_square_p(torch.tensor(outs), _exact_tiny(model, prompt)) > 0.01
+    return chi_square_p(torch.tensor(outs), _exact_tiny(model, prompt))
+
+
+@pytest.mark.parametrize("kind", ["draft-lm-chain", "draft-lm-tree", "medusa-tree",
+                                  "draft-lm-chain-vocab", "draft-lm-tree-vocab"])
+def test_decoder_end_to_end_sampling_is_exact(kind):
+    assert _e2e_p_value(kind) > 0.01
+
+
+def test_draft_vocab_with_q_on_the_wrong_ids_fails(monkeypatch):
+    """The subset chain's twin with the draft's q scattered onto ids 0..4 instead of the subset
+    (a drafted id then looks like q = 0: always accepted) must fail the same test."""
+    from eval.proposers import DraftLMProposer
+
+    def misplaced(self, q):
+        return q.new_zeros(self.vocab_size).index_copy(0, torch.arange(q.numel()), q)
+
+    monkeypatch.setattr(DraftLMProposer, "_scatter_q", misplaced)
+    assert _e2e_p_value("draft-lm-chain-vocab") < 0.01

@@ -37,6 +37,8 @@ from train.runtime import (
 )
 
 log = logging.getLogger("draftsmith.distill")
+# what token_frequency.json counts (heads/vocab.py)
+TRAIN_SPLIT_SOURCE = "training split: target ids at loss-masked positions"
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -331,11 +333,16 @@ class DistillRecipe:
         if not acc.is_main_process:
             acc.wait_for_everyone()
             return None
+        from heads.vocab import TOKEN_FREQUENCY, frequency_record
+        from train.families import token_counts
+
+        counts = token_counts(self.train_set, int(self.target.model.config.vocab_size))
         pkg = self.family.save_package(
             self.out_dir / "draft", module,
             extra_json={"validation.json": self.final_validation,
                         "validation_init.json": self.initial_validation,
-                        "data_report.json": self.data_report},
+                        "data_report.json": self.data_report,
+                        TOKEN_FREQUENCY: frequency_record(counts, TRAIN_SPLIT_SOURCE)},
             train_config=OmegaConf.to_container(self.cfg, resolve=True),
             train_log=self.out_dir / "train_log.jsonl")
         acc.wait_for_everyone()

@@ -190,9 +190,12 @@ def _init_package(cfg: DictConfig, target):
 
 
 def token_counts(dataset, vocab_size: int) -> Tensor:
-    """Frequencies of the tokens the draft learns to predict (for a reduced draft vocabulary)."""
+    """Frequencies of the tokens the draft learns to predict (a reduced draft vocabulary, and the
+    package's ``token_frequency.json``)."""
     if dataset is None:
         raise ValueError("a reduced draft vocabulary needs the training split to count tokens")
+    if hasattr(dataset, "token_counts"):  # a FeatureDataset: read the ids without the hidden states
+        return dataset.token_counts(vocab_size)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(dataset)):
         item = dataset[i]

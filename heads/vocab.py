@@ -1,0 +1,80 @@
+"""Token frequencies of a draft package, and the frequent-token draft vocabulary they give.
+
+Drafting over only the most frequent target tokens (frequency-ranked drafting, as in FR-Spec)
+cuts the draft's LM head, which for a small draft of a large-vocabulary target is most of a draft
+step: 49k x 576 for SmolLM2 against two 576-wide layers. The draft's weights stay full-vocabulary
+(so transformers' assisted generation can still use the same draft LM); only the decoder reads a
+row subset of the LM head. Verification is unchanged, so the output distribution stays the
+target's: a draft distribution ``q`` that is zero outside the subset is as valid as any other.
+
+Training writes ``token_frequency.json`` into every package: how often each target id is a token
+the draft learned to predict (loss-masked positions of the training split). ``scripts/
+token_frequency.py`` adds it to a package trained before it existed.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TOKEN_FREQUENCY = "token_frequency.json"
+FULL = "full"  # decode.py's draft_vocab value for the whole vocabulary
+
+
+def frequency_record(counts: Tensor, source: str) -> dict[str, Any]:
+    """``token_frequency.json``: the ids seen, most frequent first, with their counts.
+
+    Args:
+        counts: ``(V,)`` count of each target id.
+        source: what was counted (written into the record).
+    """
+    counts = torch.as_tensor(counts).flatten().long()
+    seen = torch.nonzero(counts > 0).flatten()
+    order = torch.sort(-counts[seen], stable=True).indices  # ties: smaller id first
+    ids = seen[order]
+    return {"source": source, "vocab_size": int(counts.numel()), "total": int(counts.sum()),
+            "ids": ids.tolist(), "counts": counts[ids].tolist()}
+
+
+def counts_from_record(record: dict[str, Any], vocab_size: int, where: str = TOKEN_FREQUENCY
+                       ) -> Tensor:
+    """The dense ``(vocab_size,)`` counts of a :func:`frequency_record`."""
+    if int(record.get("vocab_size", -1)) != vocab_size:
+        raise ValueError(f"{where} counts a vocabulary of {record.get('vocab_size')} ids, the target "
+                         f"has {vocab_size}: the record belongs to another target")
+    ids, counts = record.get("ids"), record.get("counts")
+    if not isinstance(ids, list) or not isinstance(counts, list) or len(ids) != len(counts):
+        raise ValueError(f"{where} is malformed: 'ids' and 'counts' must be lists of one length")
+    dense = torch.zeros(vocab_size, dtype=torch.long)
+    if ids:
+        idx = torch.tensor(ids, dtype=torch.long)
+        if int(idx.min()) < 0 or int(idx.max()) >= vocab_size:
+            raise ValueError(f"{where} lists ids outside 0..{vocab_size - 1}")
+        dense[idx] = torch.tensor(counts, dtype=torch.long)
+    return dense
+
+
+def package_token_counts(pkg_dir: str | Path, vocab_size: int) -> Tensor:
+    """The package's token counts (its manifest was verified when it was loaded).
+
+    Raises:
+        FileNotFoundError: the package has no ``token_frequency.json``, with the fix.
+    """
+    path = Path(pkg_dir) / TOKEN_FREQUENCY
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{pkg_dir} has no {TOKEN_FREQUENCY}, so a frequent-token draft vocabulary cannot be "
+            f"chosen. Fix: python scripts/token_frequency.py draft={pkg_dir} (counts the package's "
+            "training split), or decode with draft_vocab=full")
+    return counts_from_record(json.loads(path.read_text()), vocab_size, str(path))
+
+
+def frequent_ids(counts: Tensor, size: int, always_include: Sequence[int] = ()) -> Tensor:
+    """The ``size`` most frequent ids (plus ``always_include``, e.g. EOS), sorted ascending."""
+    from heads.eagle import build_vocab_map
+
+    return build_vocab_map(counts, int(size), always_include)[0]
