@@ -20,6 +20,7 @@ fewer than ``min_fraction`` of the prompts or diverges anywhere that is not a ti
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import platform
 import sys
@@ -35,7 +36,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eval.decode import DTYPES, build_proposer, load_draft, prompt_records
+from eval.decode import (
+    DTYPES,
+    VOCAB_FAMILIES,
+    build_proposer,
+    load_draft,
+    parse_draft_vocab,
+    prompt_records,
+)
 from eval.decoder import SpeculativeDecoder
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
 from eval.stats import DecodeStats
@@ -180,13 +188,17 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
         if pkg.kind not in KIND_PROPOSERS:
             raise ValueError(f"draft kind {pkg.kind!r} of {name} is not checked; known kinds "
                              f"{sorted(KIND_PROPOSERS)}")
-        for label, tree in KIND_PROPOSERS[pkg.kind]:
+        # the whole vocabulary, and (draft_vocab=N, draft LM / EAGLE) its N most frequent ids
+        vocabs = [None]
+        if parse_draft_vocab(cfg.draft_vocab) is not None and pkg.kind in VOCAB_FAMILIES:
+            vocabs.append(parse_draft_vocab(cfg.draft_vocab))
+        for (label, tree), size in itertools.product(KIND_PROPOSERS[pkg.kind], vocabs):
             pcfg = OmegaConf.create({"draft": name, "device": cfg.device, "dtype": cfg.dtype,
                                      "tree": tree, "tree_topk": cfg.tree_topk,
-                                     "tree_size": cfg.tree_size,
+                                     "tree_size": cfg.tree_size, "draft_vocab": size,
                                      "medusa_branching": list(cfg.medusa_branching)})
             proposer, _ = build_proposer(pcfg, loaded, vocab, pkg)
-            out.append((f"{label}@{name}", proposer))
+            out.append((f"{label}{f'/{size}ids' if size else ''}@{name}", proposer))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a folder name ({names}); give folders distinct names")

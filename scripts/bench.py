@@ -216,7 +216,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             # a measured frequent-token draft vocabulary runs as the default; the tree also runs
             # over the whole vocabulary, which shows what the smaller LM head buys
             vocabs = [(None, "")]
-            if vocab_of.get(fam) != decode.FULL and cfg.draft_vocab is None:
+            if fam in vocab_of and vocab_of[fam] != decode.FULL and cfg.draft_vocab is None:
                 vocabs.append((decode.FULL, " full-vocab"))
             for tree, name in modes:
                 for vocab, suffix in vocabs if tree == "tree" else vocabs[:1]:

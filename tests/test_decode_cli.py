@@ -243,6 +243,7 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
     cfg = OmegaConf.merge(OmegaConf.load(bench.CONF_FILE), {
         "questions": str(setup["questions"]), "limit": 1, "max_new_tokens": 6,
         "temperatures": [0.0], "lm": str(pkg), "tree_topk": 2, "prompt_lookup": False,
+        "medusa": str(_draft_package(setup, "medusa")[0]),
         "auto_rows": False, "target_path": str(setup["target"]), "out_dir": str(tmp_path / "b"),
         "train": {"enabled": False}, "forward_costs": {"enabled": False},
         "fallback_bound": {"enabled": False}})
@@ -250,7 +251,7 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
     assert set(rows) == {"plain (ours)", "plain (ours), again last", "hf_generate",
                          "hf_assisted K=1", "hf_assisted K=2", "hf_assisted K=1 native-gqa",
                          "hf_assisted K=2 native-gqa", "ours lm", "ours lm-tree",
-                         "ours lm-tree full-vocab"}
+                         "ours lm-tree full-vocab", "ours medusa"}  # Medusa: no draft vocabulary
     assert (rows["ours lm"]["k"], rows["ours lm-tree"]["k"]) == (1, 2)
     assert rows["ours lm-tree"]["tree_size"] == 4 and rows["ours lm-tree"]["same_as_plain"] == 1.0
     # the measured draft vocabulary is the default; the tree also runs over the whole vocabulary

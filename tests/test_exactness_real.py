@@ -146,6 +146,24 @@ def test_tiny_check_passes_for_every_standin_proposer(tiny_setup):
     assert res["proposers"]["lm-chain@untrained"]["acceptance_rate"] > 0.5
 
 
+def test_tiny_check_covers_a_frequent_token_draft_vocabulary(tiny_setup):
+    from heads.draft_lm import DraftLMConfig, build_draft_lm
+    from heads.package import save_package, update_package_json
+    from heads.vocab import frequency_record
+
+    loaded = tiny_setup["loaded"]
+    cfg = DraftLMConfig.matching(loaded.model.config, 1, init="target")
+    pkg = save_package(tiny_setup["root"] / "lm", "lm", build_draft_lm(cfg, loaded.model).eval(),
+                       cfg, loaded.identity, tokenizer=loaded.tokenizer)
+    vocab = loaded.model.config.vocab_size
+    update_package_json(pkg, "token_frequency.json", frequency_record(torch.arange(vocab, 0, -1), "t"))
+    res = exactness.run_overrides(_tiny_overrides(tiny_setup, f"drafts=[{pkg}]", "draft_vocab=40"),
+                                  loaded)
+    assert set(res["proposers"]) == {"plain", "lookup", "lm-chain@lm", "lm-tree@lm",
+                                     "lm-chain/40ids@lm", "lm-tree/40ids@lm"}
+    assert res["passed"] and all(r["identical"] == r["total"] == 2 for r in res["proposers"].values())
+
+
 def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monkeypatch):
     from eval import decoder
 
