@@ -39,7 +39,7 @@ from eval.proposers import (
 from eval.proposers_eagle import EagleProposer
 from eval.stats import DecodeStats
 from eval.target_model import Target
-from heads.vocab import FULL, frequent_ids, package_token_counts
+from heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
 CONF_FILE = Path(__file__).resolve().parents[1] / "conf" / "decode.yaml"
 NO_DRAFT = ("none", "null", "")
@@ -282,7 +282,10 @@ def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
         if depth is not None and cfg.k is None:  # the measured tree shape
             k, k_source = depth, source
     if pkg.kind in VOCAB_FAMILIES and cfg.get("draft_vocab") is None:
-        cfg = OmegaConf.merge(cfg, {"draft_vocab": resolve_draft_vocab(spec, cfg.dtype, cfg.device)})
+        size = resolve_draft_vocab(spec, cfg.dtype, cfg.device)
+        if size != FULL and not (Path(pkg.path) / TOKEN_FREQUENCY).is_file():
+            size = FULL  # measured, but the counts did not travel with this folder
+        cfg = OmegaConf.merge(cfg, {"draft_vocab": size})
     tree_speedup = ((spec or {}).get("tree") or {}).get("speedup") or 0.0
     if k_source == "speculation.json (tree)" and spec.get("k_star") == 0 and tree_speedup < 1.0:
         k, k_source = 0, f"speculation.json (K* = 0, best tree {tree_speedup:.2f}x)"

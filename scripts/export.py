@@ -14,7 +14,8 @@ the final hidden state as input and the target's vocabulary; anything else is re
 reasons, since the engines would silently compute different drafts.
 
 Every export holds ``manifest.json`` (sha256 and size of each file, draft family, target
-identity, head and training config) and a copy of ``speculation.json`` when the package has one.
+identity, head and training config) and copies of ``speculation.json`` and ``token_frequency.json``
+when the package has them.
 ``import_export(dir)`` loads any export back into draftsmith's heads.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ from heads.package import (
     verify_folder,
     write_manifest,
 )
+from heads.vocab import TOKEN_FREQUENCY
 from scripts.export_layouts import (
     FORMAT_KINDS,
     FORMATS,
@@ -311,6 +313,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
             _write_speculators(pkg, tmp, dtype, k, verifier)
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
+        if (pkg.path / TOKEN_FREQUENCY).is_file():  # the draft vocabulary of speculation.json
+            shutil.copyfile(pkg.path / TOKEN_FREQUENCY, tmp / TOKEN_FREQUENCY)
         src = json.loads((pkg.path / MANIFEST).read_text()) if (pkg.path / MANIFEST).is_file() else {}
         write_manifest(tmp, {
             "format_version": FORMAT_VERSION, "export_format": fmt, "engine": engine,

@@ -430,6 +430,15 @@ def test_draft_vocab_is_measured_and_decoded_losslessly(setup, tmp_path, kind):
     assert _decode(setup, pkg, "limit=1", "baseline=false", "draft_vocab=full")["summary"][
         "draft_vocab"] is None
     assert decode.resolve_draft_vocab({**rec, "draft_vocab": {"size": 20}}, "bfloat16", "cpu") == "full"
+    # an export carries the counts with speculation.json and decodes the same way
+    exp = export_package(pkg, "hf" if kind == "lm" else "eagle", tmp_path / "export",
+                         target=setup["loaded"])
+    assert _decode(setup, exp, "limit=1", "baseline=false")["summary"]["draft_vocab"] == 20
+    # a folder with the measurement but without the counts decodes over the whole vocabulary
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    update_package_json(bare, "speculation.json", {**rec, "draft_vocab": {**dv, "size": 20}})
+    assert _decode(setup, bare, "limit=1", "baseline=false")["summary"]["draft_vocab"] is None
     with pytest.raises(ValueError, match="draft_vocab_sizes takes"):
         measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
                                "draft_vocab_sizes=[0]"])
