@@ -136,38 +136,54 @@ def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], c
             "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
 
 
-def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
-                 cfg: DictConfig, eos: Any) -> dict[str, Any] | None:
-    """Decode with each tree shape of :func:`tree_shapes`; the fastest shape and the grid.
+def decode_grid(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
+                cfg: DictConfig, eos: Any, runs: list[tuple[dict, dict, int]]
+                ) -> tuple[list[dict], list[float], list[tuple[Any, Any]]]:
+    """Decode ``records`` once per run ``(row, overrides, k)`` (``cfg`` merged with
+    ``overrides``, fixed ``k``, no adaptation or fallback), between plain decoding before and
+    after: their mean is the baseline, their difference the machine's drift meanwhile.
 
-    Plain decoding runs before and after the grid (its mean is the baseline), so a drift of the
-    machine during the grid shows as the difference of the two.
+    Returns:
+        The rows with ``tokens_per_s``, ``tau``, ``acceptance_rate`` and ``speedup`` added,
+        ``[before, after]`` plain tokens/s, and each run's ``(DecodeStats, proposer)``.
     """
-    shapes = tree_shapes(pkg.kind, cfg, pkg.head_config)
-    if not shapes:
-        return None
     plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
     plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
     before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
-    grid = []
-    for shape in shapes:
-        shape_cfg = OmegaConf.merge(cfg, shape["overrides"])
-        proposer, _ = build_proposer(shape_cfg, loaded, int(model.config.vocab_size), pkg)
-        dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=shape["depth"],
+    grid, runs_out = [], []
+    for row, overrides, k in runs:
+        proposer, _ = build_proposer(OmegaConf.merge(cfg, overrides), loaded,
+                                     int(model.config.vocab_size), pkg)
+        dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k,
                                  adaptive=False, fallback=False)
         dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
         st = decode_set(dec, records, cfg, eos)[1]
-        grid.append({**{k: v for k, v in shape.items() if k != "overrides"},
-                     "tokens_per_s": st.tokens_per_s, "tau": st.tau,
+        grid.append({**row, "tokens_per_s": st.tokens_per_s, "tau": st.tau,
                      "acceptance_rate": st.acceptance_rate})
+        runs_out.append((st, proposer))
     after = decode_set(plain, records, cfg, eos)[1].tokens_per_s
     base = (before + after) / 2
     for g in grid:
         g["speedup"] = g["tokens_per_s"] / base if base else None
+    return grid, [before, after], runs_out
+
+
+def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],
+                 cfg: DictConfig, eos: Any) -> dict[str, Any] | None:
+    """Decode with each tree shape of :func:`tree_shapes` (:func:`decode_grid`); the fastest
+    shape and the grid."""
+    shapes = tree_shapes(pkg.kind, cfg, pkg.head_config)
+    if not shapes:
+        return None
+    grid, before_after, _ = decode_grid(
+        model, loaded, pkg, records, cfg, eos,
+        [({k: v for k, v in sh.items() if k != "overrides"}, sh["overrides"], sh["depth"])
+         for sh in shapes])
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {**{k: v for k, v in best.items() if k in ("depth", "total_tokens", "branching")},
-            "speedup": best["speedup"], "tau": best["tau"], "baseline_tokens_per_s": base,
-            "baseline_before_after": [before, after], "grid": grid,
+            "speedup": best["speedup"], "tau": best["tau"],
+            "baseline_tokens_per_s": sum(before_after) / 2,
+            "baseline_before_after": before_after, "grid": grid,
             "topk": int(cfg.tree_topk), "prompts": len(records),
             "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
 
@@ -176,11 +192,12 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
                         cfg: DictConfig, eos: Any, rec: dict[str, Any]) -> dict[str, Any] | None:
     """Decode with the drafting ``rec`` makes the default (decode.py's defaults for this record,
     without adaptation or fallback) over each of ``draft_vocab_sizes`` most frequent ids and over
-    the whole vocabulary; the fastest and the grid (None: nothing to measure, with no note).
+    the whole vocabulary (:func:`decode_grid`); the fastest and the grid (None: nothing to
+    measure).
 
-    Plain decoding runs before and after the grid, as in :func:`measure_tree`. The draft's
-    vocabulary trades draft time (LM-head rows) against acceptance (targets outside the subset
-    can never be drafted), so it is measured like K*; it is chosen after K* and the tree shape.
+    The draft's vocabulary trades draft time (LM-head rows) against acceptance (targets outside
+    the subset can never be drafted), so it is measured like K*; it is chosen after K* and the
+    tree shape.
     """
     from dataclasses import replace
 
@@ -199,29 +216,18 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
         k = int(tree.get("depth") or 1)
         shape_cfg = OmegaConf.merge(shape_cfg, {"tree": "tree" if tree else "chain",
                                                 "tree_size": tree.get("total_tokens")})
-    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
-    plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
-    before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
-    grid = []
-    for size in [None] + sizes:
-        vcfg = OmegaConf.merge(shape_cfg, {"draft_vocab": size or "full"})
-        proposer, kind = build_proposer(vcfg, loaded, vocab, pkg)
-        dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k,
-                                 adaptive=False, fallback=False)
-        dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
-        st = decode_set(dec, records, cfg, eos)[1]
-        grid.append({"size": size, "tokens_per_s": st.tokens_per_s, "tau": st.tau,
-                     "acceptance_rate": st.acceptance_rate,
-                     "draft_ms_per_step": 1e3 * st.draft_time_s / max(st.spec_steps, 1)})
-    after = decode_set(plain, records, cfg, eos)[1].tokens_per_s
-    base = (before + after) / 2
-    for g in grid:
-        g["speedup"] = g["tokens_per_s"] / base if base else None
+    grid, before_after, runs = decode_grid(
+        model, loaded, pkg, records, shape_cfg, eos,
+        [({"size": size}, {"draft_vocab": size or "full"}, k) for size in [None] + sizes])
+    for g, (st, _) in zip(grid, runs):
+        g["draft_ms_per_step"] = 1e3 * st.draft_time_s / max(st.spec_steps, 1)
+    proposer = runs[-1][1]
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {"size": best["size"], "speedup": best["speedup"], "tau": best["tau"],
-            "drafting": {"kind": kind, "k": k, "tree_size": getattr(proposer, "total_tokens", None)
-                         if getattr(proposer, "tree", False) else None},
-            "baseline_tokens_per_s": base, "baseline_before_after": [before, after],
+            "drafting": {"kind": proposer.kind, "k": k,
+                         "tree_size": proposer.total_tokens if getattr(proposer, "tree", False)
+                         else None},
+            "baseline_tokens_per_s": sum(before_after) / 2, "baseline_before_after": before_after,
             "grid": grid, "prompts": len(records), "temperature": float(cfg.temperature),
             "max_new_tokens": int(cfg.max_new_tokens)}
 

@@ -285,7 +285,31 @@ def head_rows(head: nn.Module, vocab_ids: torch.Tensor, vocab_size: int,
     return head.weight.detach()[ids.to(head.weight.device)].contiguous()
 
 
-class DraftLMProposer(Proposer):
+class DraftVocabMixin:
+    """For drafters whose ids may differ from the target's: ``d2t`` maps drafter id -> target id
+    (a draft vocabulary: sorted target ids; None = the drafter uses target ids). Drafts go back
+    through :meth:`_to_target`, sampled ``q`` rows through :meth:`_scatter_q` (zero outside)."""
+
+    d2t: torch.Tensor | None = None
+    vocab_size: int
+
+    @property
+    def draft_vocab(self) -> int | None:
+        """Ids drafted over (None: the whole vocabulary)."""
+        return None if self.d2t is None else int(self.d2t.numel())
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.d2t is None else self.d2t[ids]
+
+    def _scatter_q(self, q: torch.Tensor) -> torch.Tensor:
+        """Drafter-vocabulary probabilities ``(Vd,)`` -> the target vocabulary ``(V,)``."""
+        if self.d2t is None and q.shape[-1] == self.vocab_size:
+            return q
+        ids = self.d2t if self.d2t is not None else torch.arange(q.shape[-1])
+        return q.new_zeros(self.vocab_size).index_add(0, ids.to(q.device), q)
+
+
+class DraftLMProposer(DraftVocabMixin, Proposer):
     """A small causal LM drafting a chain, or an EAGLE-2 dynamic tree, with its own KV cache.
 
     The draft's cache holds a prefix of the committed sequence; ``propose`` feeds whatever is
@@ -324,28 +348,22 @@ class DraftLMProposer(Proposer):
         # feeds the whole prompt) where the model's forward supports it
         self._keep = ({"logits_to_keep": 1} if "logits_to_keep" in
                       inspect.signature(model.forward).parameters else {})
-        self.vocab_ids: torch.Tensor | None = None
         if vocab_ids is not None:
-            self.vocab_ids = torch.as_tensor(vocab_ids).long().to(self.device)
-            self._sub_head = head_rows(model.get_output_embeddings(), self.vocab_ids, vocab_size,
+            self.d2t = torch.as_tensor(vocab_ids).long().to(self.device)
+            self._sub_head = head_rows(model.get_output_embeddings(), self.d2t, vocab_size,
                                        model.config)
             self._decoder = model.get_decoder()
             self._decoder_cache_kw = cache_kwarg(self._decoder)
-
-    @property
-    def draft_vocab(self) -> int | None:
-        """Ids drafted over (None: the whole vocabulary)."""
-        return None if self.vocab_ids is None else int(self.vocab_ids.numel())
 
     def _cached(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     def _forward(self, ids: Sequence[int], last_only: bool = False, **kwargs) -> torch.Tensor:
         """Feed ``ids`` after the cache; ``(T', V')`` logits over the drafted ids (the target
-        vocabulary, or ``vocab_ids``), ``T' = 1`` when ``last_only``."""
+        vocabulary, or ``d2t``), ``T' = 1`` when ``last_only``."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
         with native_gqa(self.device.type == "cpu" and x.shape[1] > 1):
-            if self.vocab_ids is None:
+            if self.d2t is None:
                 out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True,
                                  **(self._keep if last_only else {}), **kwargs)
                 return fit_vocab(out.logits[0].float(), self.vocab_size)
@@ -357,15 +375,6 @@ class DraftLMProposer(Proposer):
 
     def _step(self, ids: Sequence[int]) -> torch.Tensor:
         return self._forward(ids, last_only=True)[-1]  # (V',) after the last token
-
-    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.vocab_ids is None else self.vocab_ids[ids]
-
-    def _scatter_q(self, q: torch.Tensor) -> torch.Tensor:
-        """``q`` over the drafted ids -> the target vocabulary (zero outside ``vocab_ids``)."""
-        if self.vocab_ids is None:
-            return q
-        return q.new_zeros(self.vocab_size).index_copy(0, self.vocab_ids.to(q.device), q)
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -385,7 +394,7 @@ class DraftLMProposer(Proposer):
         qs: list[torch.Tensor] = []
         for i in range(k):
             x, q_i = ctx.sampling.sample(logits, ctx.generator)  # q_i None when greedy
-            x = int(self._to_target(torch.tensor(x)))
+            x = int(self._to_target(torch.tensor(x, device=self.device)))
             drafts.append(x)
             if q_i is not None:
                 qs.append(self._scatter_q(q_i))
@@ -398,7 +407,7 @@ class DraftLMProposer(Proposer):
         """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the
         expanded nodes' tokens in one forward with a tree mask; the cache is cropped back to the
         committed prefix after."""
-        tree = DynamicTree(self.topk, None if self.vocab_ids is None else self._to_target)
+        tree = DynamicTree(self.topk, self._to_target)
         frontier = tree.add_children(-1, torch.log_softmax(root_logits, dim=-1))
         for _ in range(2, depth + 1):
             expand = tree.expand(frontier)

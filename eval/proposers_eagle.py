@@ -15,11 +15,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eval.proposers import DecodeContext, DynamicTree, Proposal, Proposer, head_rows
+from eval.proposers import (
+    DecodeContext,
+    DraftVocabMixin,
+    DynamicTree,
+    Proposal,
+    Proposer,
+    head_rows,
+)
 from eval.target_model import TargetOutput
 
 
-class EagleProposer(Proposer):
+class EagleProposer(DraftVocabMixin, Proposer):
     """EAGLE head as a proposer.
 
     Args:
@@ -56,7 +63,7 @@ class EagleProposer(Proposer):
         self.device = next(head.parameters()).device
         # reduced-vocabulary heads carry d2t (draft id -> target id); others draft in target ids
         d2t = getattr(head, "d2t", None) if getattr(head, "reduced", False) else None
-        self._d2t: torch.Tensor | None = None if d2t is None else d2t.long().to(self.device)
+        self.d2t = None if d2t is None else d2t.long().to(self.device)
         self._sub_head: torch.Tensor | None = None
         if vocab_ids is not None:
             if d2t is not None:
@@ -64,7 +71,7 @@ class EagleProposer(Proposer):
                                  f"({d2t.numel()} ids): it drafts over those; use draft_vocab=full")
             ids = torch.as_tensor(vocab_ids).long().to(self.device)
             self._sub_head = head_rows(head.lm_head, ids, vocab_size)
-            self._d2t = ids
+            self.d2t = ids
         self.kind = "eagle-tree" if tree else "eagle"
         self.cache = None
         self.n_true = 0
@@ -79,22 +86,6 @@ class EagleProposer(Proposer):
             raise ValueError("this EAGLE head fuses target layers: build the Target with "
                              f"layer_ids={list(self.layer_ids)}")
         return torch.cat(list(out.layers), dim=-1)
-
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self._d2t is None else self._d2t[draft_ids]
-
-    def _scatter_q(self, q_draft: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary probabilities ``(Vd,)`` -> target vocabulary ``(V,)``."""
-        if self._d2t is None and q_draft.shape[-1] == self.vocab_size:
-            return q_draft
-        ids = self._d2t if self._d2t is not None else torch.arange(q_draft.shape[-1])
-        q = q_draft.new_zeros(self.vocab_size)
-        return q.index_add(0, ids.to(q.device), q_draft)
-
-    @property
-    def draft_vocab(self) -> int | None:
-        """Ids drafted over (None: the whole vocabulary)."""
-        return None if self._d2t is None else int(self._d2t.numel())
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._sub_head is not None:

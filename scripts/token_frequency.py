@@ -42,22 +42,22 @@ def add_token_frequency(pkg_dir: str | Path, train_cache: str | Path | None = No
 
     root = Path(pkg_dir)
     pkg = load_package(root)  # verifies the manifest first
-    if train_cache is not None:
-        data = FeatureDataset(train_cache)
-        check_target(pkg.info["target"], data.identity, where=f"{root}")
-        counts = data.token_counts(int(pkg.info["target"]["vocab_size"]))
-        return update_package_json(root, TOKEN_FREQUENCY, frequency_record(counts, TRAIN_SPLIT_SOURCE))
-    cfg_path = root / TRAINING_CONFIG
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{root} has no {TRAINING_CONFIG}, so its training data is unknown; "
-                                "retrain it (training writes token_frequency.json itself)")
-    cfg = OmegaConf.load(cfg_path)
-    target = load_target(target_path_from_config(cfg.target), dtype=getattr(torch, cfg.target.dtype))
-    check_target(pkg.info["target"], target.identity)
-    layers = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
-    log.info("rebuilding (or reusing) the training split's feature cache")
-    train_dir, _, _ = prepare_data(cfg.data, target, layers=layers)
-    counts = FeatureDataset(train_dir).token_counts(int(target.model.config.vocab_size))
+    if train_cache is None:
+        cfg_path = root / TRAINING_CONFIG
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{root} has no {TRAINING_CONFIG}, so its training data is "
+                                    "unknown; retrain it (training writes token_frequency.json "
+                                    "itself)")
+        cfg = OmegaConf.load(cfg_path)
+        target = load_target(target_path_from_config(cfg.target),
+                             dtype=getattr(torch, cfg.target.dtype))
+        check_target(pkg.info["target"], target.identity)
+        layers = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
+        log.info("rebuilding (or reusing) the training split's feature cache")
+        train_cache, _, _ = prepare_data(cfg.data, target, layers=layers)
+    data = FeatureDataset(train_cache)
+    check_target(pkg.info["target"], data.identity, where=f"{root}")
+    counts = data.token_counts(int(pkg.info["target"]["vocab_size"]))
     return update_package_json(root, TOKEN_FREQUENCY, frequency_record(counts, TRAIN_SPLIT_SOURCE))
 
 

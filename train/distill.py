@@ -334,9 +334,8 @@ class DistillRecipe:
             acc.wait_for_everyone()
             return None
         from heads.vocab import TOKEN_FREQUENCY, frequency_record
-        from train.families import token_counts
 
-        counts = token_counts(self.train_set, int(self.target.model.config.vocab_size))
+        counts = self.train_set.token_counts(int(self.target.model.config.vocab_size))
         pkg = self.family.save_package(
             self.out_dir / "draft", module,
             extra_json={"validation.json": self.final_validation,

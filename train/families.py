@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
@@ -150,7 +149,10 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
         else:
             counts = None
             if head_cfg.draft_vocab_size is not None:
-                counts = token_counts(train_set, model.config.vocab_size)
+                if train_set is None:
+                    raise ValueError("a reduced draft vocabulary needs the training split to "
+                                     "count tokens")
+                counts = train_set.token_counts(model.config.vocab_size)
             head = eagle.build_eagle_head(head_cfg, model, token_counts=counts)
         head.train()
         d2t = getattr(head, "d2t", None) if head_cfg.draft_vocab_size is not None else None
@@ -187,18 +189,3 @@ def _init_package(cfg: DictConfig, target):
                              f"draft.config.fuse_layers={have or 'null'} so the feature cache holds "
                              "the layers the head reads")
     return pkg
-
-
-def token_counts(dataset, vocab_size: int) -> Tensor:
-    """Frequencies of the tokens the draft learns to predict (a reduced draft vocabulary, and the
-    package's ``token_frequency.json``)."""
-    if dataset is None:
-        raise ValueError("a reduced draft vocabulary needs the training split to count tokens")
-    if hasattr(dataset, "token_counts"):  # a FeatureDataset: read the ids without the hidden states
-        return dataset.token_counts(vocab_size)
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(dataset)):
-        item = dataset[i]
-        ids = item["input_ids"][item["loss_mask"].bool()].long()
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
