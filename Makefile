@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not real" $(ARGS)
 
 bench: $(STAMP)
+	$(BIN)/python scripts/bench_train.py $(TRAIN_ARGS)
 	$(BIN)/python scripts/bench.py $(ARGS)
 
 lint: $(STAMP)

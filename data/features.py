@@ -7,7 +7,10 @@ replace 49,152 logits.
 Layout of a cache directory:
     ``shard-00000.safetensors``: ``input_ids (N,) int32``, ``loss_mask (N,) bool``,
     ``offsets (n_seq+1,) int64``, ``hidden (N, H)`` fp16/bf16 and ``layer_{i} (N, H)`` for chosen
-    layer ids (``hidden_states[i]``; 0 = embeddings).
+    layer ids (``hidden_states[i]``; 0 = embeddings). The last id (``num_layers``) is the final
+    hidden state itself (transformers returns the final-norm output there), so it is not stored
+    twice: ``hidden`` serves it (an EAGLE-3 head fusing low, mid and final layers caches three
+    H-wide rows per token, 3,461 bytes for SmolLM2-135M).
     ``spec.json``: target identity and a fingerprint of the inputs (written first).
     ``manifest.json``: identity, layer ids, dtype, per-shard counts and sha256, bytes_per_token
     (written last: its presence means the cache is complete).
@@ -65,6 +68,8 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
     for b, r in enumerate(rows):
         ids[b, : lens[b]] = torch.as_tensor(r["input_ids"], dtype=torch.long)
         attn[b, : lens[b]] = 1
+    n_layers = model.config.num_hidden_layers
+    layers = [i for i in layers if i != n_layers]  # hidden_states[n_layers] is the final hidden
     out = model.model(input_ids=ids.to(device), attention_mask=attn.to(device),
                       output_hidden_states=bool(layers), use_cache=False)
     hidden = out.last_hidden_state  # (B, T, H) final-norm output
@@ -195,11 +200,19 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                                         "inputs_sha256")},
                 "hidden_size": hidden, "sequences": len(rows),
                 "tokens": int(sum(s["tokens"] for s in shards)), "shards": shards,
-                "bytes_per_token": hidden * elem * (1 + len(layers)) + 4 + 1}
+                "bytes_per_token": bytes_per_token(hidden, elem, layers, n_layers)}
     tmp = manifest_path.with_name(f"manifest.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, manifest_path)
     return manifest
+
+
+def bytes_per_token(hidden_size: int, elem_bytes: int, layers: Sequence[int],
+                    num_layers: int) -> int:
+    """Cache bytes per token: the final hidden state, each extra layer other than the final one
+    (``num_layers``, served by the final hidden state), an int32 id and a bool mask."""
+    extra = sum(1 for i in set(layers) if i != num_layers)
+    return hidden_size * elem_bytes * (1 + extra) + 4 + 1
 
 
 def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
@@ -260,7 +273,10 @@ class FeatureDataset(torch.utils.data.Dataset):
                 "loss_mask": f.get_slice("loss_mask")[a:b],
                 "hidden": f.get_slice("hidden")[a:b]}
         if self.layers:
-            item["layers"] = torch.stack([f.get_slice(f"layer_{i}")[a:b] for i in self.layers])
+            final = self.identity.num_layers
+            item["layers"] = torch.stack([item["hidden"] if i == final
+                                          else f.get_slice(f"layer_{i}")[a:b]
+                                          for i in self.layers])
         return item
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.dtype import resolve_dtype
 from eval.decoder import SpeculativeDecoder
 from eval.proposers import (
     DraftLMProposer,
@@ -295,8 +296,8 @@ def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
 def _validate(cfg: DictConfig) -> None:
     if cfg.tree not in TREE_MODES:
         raise ValueError(f"tree={cfg.tree!r}: allowed {TREE_MODES}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype={cfg.dtype!r}: allowed {DTYPES}")
+    if cfg.dtype not in (*DTYPES, "auto"):
+        raise ValueError(f"dtype={cfg.dtype!r}: allowed {(*DTYPES, 'auto')}")
     if int(cfg.max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.limit is not None and int(cfg.limit) < 1:
@@ -333,6 +334,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     _validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     dtype = getattr(torch, cfg.dtype)
     if loaded is None:
         loaded = load_target(cfg.target_path or cfg.target or None, dtype=dtype)

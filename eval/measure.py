@@ -31,6 +31,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.dtype import resolve_dtype
 from eval.decode import CONF_FILE, build_proposer, decode_set, prompt_records
 from eval.decoder import SpeculativeDecoder
 from eval.kstar import measure_speculation
@@ -86,8 +87,8 @@ def _validate(cfg: DictConfig) -> None:
                          "draft_vocab_sizes=[] to skip the draft-vocabulary search")
     if int(cfg.repeats) < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype={cfg.dtype!r}: allowed float32, bfloat16, float16")
+    if cfg.dtype not in ("float32", "bfloat16", "float16", "auto"):
+        raise ValueError(f"dtype={cfg.dtype!r}: allowed float32, bfloat16, float16, auto")
 
 
 def tree_shapes(kind: str, cfg: DictConfig, head_config: Any) -> list[dict[str, Any]]:
@@ -249,6 +250,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     _validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     dtype = getattr(torch, cfg.dtype)
     if loaded is None:
         loaded = load_target(cfg.target_path or cfg.target or None, dtype=dtype)

@@ -27,6 +27,10 @@ class DistillTarget(NamedTuple):
         labels: (B, T') long, the data token the teacher distribution predicts (target ids;
             0 where ``mask`` is False); used by the hard-label CE on data tokens.
         draft_hidden: (B, T', H) predicted features (EAGLE only, for feature regression), else None.
+        teacher_index: (B, T') long, the row of ``hidden.flatten(0, 1)`` that ``teacher_hidden``
+            was taken from (``teacher_rows``). Positions share teacher rows (the teacher of
+            draft position k at token t is the teacher of token t+k), so the recipe computes
+            each row's teacher distribution once per batch from these indices.
     """
 
     draft_logits: Tensor
@@ -34,6 +38,23 @@ class DistillTarget(NamedTuple):
     mask: Tensor
     labels: Tensor
     draft_hidden: Tensor | None = None
+    teacher_index: Tensor | None = None
+
+
+def teacher_rows(batch: int, seq: int, shift: int, device: torch.device) -> Tensor:
+    """(B, T) long: the flat row ``b * T + t + shift`` of ``hidden.flatten(0, 1)`` that
+    ``shift_left(hidden, shift)[b, t]`` reads (clamped into the same row past the end, where
+    the entry is masked out anyway)."""
+    t = (torch.arange(seq, device=device) + shift).clamp(max=seq - 1)
+    return (torch.arange(batch, device=device)[:, None] * seq + t[None, :])
+
+
+def master_dtype(target_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a draft's trainable weights are built in: fp32 for a 16-bit target. Adam's
+    updates late in a cosine schedule are below bf16's resolution (about 0.4% of a weight) and
+    would round away; bf16 compute comes from autocast (``train.mixed_precision``), and decoding
+    casts the package to the decode dtype."""
+    return torch.float32 if target_dtype in (torch.bfloat16, torch.float16) else target_dtype
 
 
 def pack_rows(mask: Tensor, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:

@@ -13,7 +13,14 @@ import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from heads.blocks import DistillTarget, pack_rows, shifted_labels, teacher_mask
+from heads.blocks import (
+    DistillTarget,
+    master_dtype,
+    pack_rows,
+    shifted_labels,
+    teacher_mask,
+    teacher_rows,
+)
 
 INIT_CHOICES = ("random", "target")
 
@@ -145,14 +152,14 @@ def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> LlamaFo
         target_model: the target ``LlamaForCausalLM`` (only read).
 
     Returns:
-        A ``LlamaForCausalLM`` in the target's dtype, in train mode.
+        A ``LlamaForCausalLM`` in the target's dtype (fp32 for a 16-bit target), in train mode.
 
     Raises:
         ValueError: ``init="target"`` with sizes that differ from the target's, or bad layer ids.
     """
     tc = target_model.config
     dcfg = draft_llama_config(cfg, tc)
-    dtype = next(target_model.parameters()).dtype
+    dtype = master_dtype(next(target_model.parameters()).dtype)
     draft = LlamaForCausalLM(dcfg).to(dtype)
     if getattr(target_model, "generation_config", None) is not None:
         draft.generation_config = copy.deepcopy(target_model.generation_config)
@@ -217,12 +224,14 @@ def distill_targets(draft: nn.Module, input_ids: Tensor, hidden: Tensor, loss_ma
     """
     mask = teacher_mask(loss_mask, attention_mask, 0)
     labels = shifted_labels(input_ids, 0)
+    index = teacher_rows(*input_ids.shape, 0, input_ids.device)
     if not packed:
         logits = draft(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
-        return [DistillTarget(logits, hidden, mask, labels)]
+        return [DistillTarget(logits, hidden, mask, labels, teacher_index=index)]
     # The decoder stack on every position, the LM head on the counted rows only (a LoRA wrapper
     # forwards get_decoder / get_output_embeddings to the wrapped model, adapters included).
     states = draft.get_decoder()(input_ids=input_ids, attention_mask=attention_mask
                                  ).last_hidden_state  # (B, T, H_draft)
-    rows, teacher, labels, mask = pack_rows(mask, states, hidden, labels)
-    return [DistillTarget(draft.get_output_embeddings()(rows), teacher, mask, labels)]
+    rows, teacher, labels, index, mask = pack_rows(mask, states, hidden, labels, index)
+    return [DistillTarget(draft.get_output_embeddings()(rows), teacher, mask, labels,
+                          teacher_index=index)]

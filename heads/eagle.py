@@ -41,10 +41,12 @@ from heads.blocks import (
     DistillTarget,
     additive_mask,
     causal_allowed,
+    master_dtype,
     pack_rows,
     shift_left,
     shifted_labels,
     teacher_mask,
+    teacher_rows,
 )
 
 EAGLE_LAYOUTS = ("eagle1", "normed")
@@ -330,7 +332,7 @@ class EagleHead(nn.Module):
 def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
                 token_counts: Tensor | None = None,
                 always_include: Sequence[int] = ()) -> EagleHead:
-    """Build an EAGLE head for ``target_model`` (in its dtype).
+    """Build an EAGLE head for ``target_model`` (in its dtype; fp32 for a 16-bit target).
 
     Args:
         cfg: head options.
@@ -342,7 +344,7 @@ def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
         The head in train mode with the frozen parts attached.
     """
     w = target_model.get_output_embeddings().weight
-    head = EagleHead(cfg, target_model.config).to(w.dtype)
+    head = EagleHead(cfg, target_model.config).to(master_dtype(w.dtype))
     with torch.no_grad():
         if head.reduced:
             if token_counts is None:
@@ -494,10 +496,13 @@ def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mas
     outs = eagle_unrolled_forward(head, features, input_ids, num_steps or head.cfg.ttt_steps,
                                   attention_mask)
     result = []
+    bsz, seq = input_ids.shape
     for s, o in enumerate(outs, start=1):
         mask = teacher_mask(loss_mask, attention_mask, s)
         teacher, labels = shift_left(hidden, s, 0.0), shifted_labels(input_ids, s)
+        rows = teacher_rows(bsz, seq, s, input_ids.device)
         if packed:
-            o, teacher, labels, mask = pack_rows(mask, o, teacher, labels)
-        result.append(DistillTarget(head.compute_logits(o), teacher, mask, labels, draft_hidden=o))
+            o, teacher, labels, rows, mask = pack_rows(mask, o, teacher, labels, rows)
+        result.append(DistillTarget(head.compute_logits(o), teacher, mask, labels, draft_hidden=o,
+                                    teacher_index=rows))
     return result

@@ -14,7 +14,15 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from heads.blocks import DistillTarget, pack_rows, shift_left, shifted_labels, teacher_mask
+from heads.blocks import (
+    DistillTarget,
+    master_dtype,
+    pack_rows,
+    shift_left,
+    shifted_labels,
+    teacher_mask,
+    teacher_rows,
+)
 
 
 @dataclass
@@ -121,7 +129,7 @@ class MedusaHeads(nn.Module):
 def build_medusa(cfg: MedusaConfig, target_model: PreTrainedModel) -> MedusaHeads:
     """Medusa heads for ``target_model`` with LM heads copied from the target (its dtype)."""
     w = target_model.get_output_embeddings().weight
-    heads = MedusaHeads(cfg, hidden_size=w.shape[1], vocab_size=w.shape[0]).to(w.dtype)
+    heads = MedusaHeads(cfg, hidden_size=w.shape[1], vocab_size=w.shape[0]).to(master_dtype(w.dtype))
     heads.init_lm_heads(w)
     return heads
 
@@ -154,7 +162,9 @@ def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_
         mask = teacher_mask(loss_mask, attention_mask, shift)
         inputs, teacher = hidden, shift_left(hidden, shift, 0.0)
         labels = shifted_labels(input_ids, shift)
+        rows = teacher_rows(*input_ids.shape, shift, input_ids.device)
         if packed:
-            inputs, teacher, labels, mask = pack_rows(mask, inputs, teacher, labels)
-        out.append(DistillTarget(heads.head_logits(inputs, i), teacher, mask, labels))
+            inputs, teacher, labels, rows, mask = pack_rows(mask, inputs, teacher, labels, rows)
+        out.append(DistillTarget(heads.head_logits(inputs, i), teacher, mask, labels,
+                                 teacher_index=rows))
     return out

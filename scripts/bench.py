@@ -8,9 +8,8 @@ of ``temperatures``: plain decoding (ours), transformers ``generate``, ``generat
 decoder with the draft LM (chain at K*, and its dynamic tree when ``eval/measure.py`` found one
 that pays), Medusa (static tree) and EAGLE (chain at K*, and the dynamic tree) for the packages
 given; assisted generation also runs at the draft LM tree's depth, so ours is compared with it at
-the same K. A missing package is skipped with a printed note. Then a few training
-steps per draft family (``train/distill.py`` as a subprocess on the cached target features):
-tokens/s from its ``train_log.jsonl`` and the subprocess's peak resident memory.
+the same K. A missing package is skipped with a printed note. Training and feature-caching
+throughput are measured by ``scripts/bench_train.py`` (``make bench`` runs both).
 
 Per method the tables give medians over prompts of tokens/s, and ratios measured in this run
 (per prompt: method tokens/s over plain decoding's tokens/s on the same prompt; median over
@@ -20,10 +19,8 @@ hardware, versions, date and command.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.dtype import resolve_dtype
 from eval import decode
 from eval.kstar import environment
 from eval.stats import DecodeStats
@@ -354,60 +352,6 @@ def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> li
     return out
 
 
-# ----------------------------------------------------------------------------- training
-def run_with_peak_rss(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float, float]:
-    """Run ``cmd``; returns (exit code, wall seconds, peak RSS in MiB of it and its children)."""
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
-                                    "OMP_NUM_THREADS", str(torch.get_num_threads()))})
-        deadline = t0 + timeout_s
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.2)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss / 1024  # KiB -> MiB
-
-
-def bench_training(cfg: DictConfig) -> list[dict]:
-    """A few distill.py steps per family on the real target's cached features."""
-    out = []
-    tcfg = cfg.train
-    for fam in tcfg.families:
-        if fam not in FAMILIES:
-            raise ValueError(f"train.families: unknown family {fam!r}; allowed {list(FAMILIES)}")
-        with tempfile.TemporaryDirectory(prefix=f"bench-train-{fam}-") as tmp:
-            cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"draft={fam}",
-                   f"out_dir={tmp}", "logging=none", f"train.max_steps={int(tcfg.steps)}",
-                   f"train.micro_batch_size={int(tcfg.micro_batch_size)}", "train.log_every=1",
-                   "train.eval_batches=1", f"train.eval_every={10 ** 6}",
-                   f"train.save_every={10 ** 6}", "train.resume=false", *list(tcfg.overrides)]
-            if cfg.target_path:
-                cmd.append(f"target.path={cfg.target_path}")
-            note(f"training throughput: {fam} ({tcfg.steps} steps)")
-            log = Path(tmp) / "bench.log"
-            rc, wall, rss = run_with_peak_rss(cmd, log, float(tcfg.timeout_s))
-            logs = Path(tmp) / "train_log.jsonl"
-            recs = [json.loads(x) for x in logs.read_text().splitlines() if x.strip()] \
-                if logs.is_file() else []
-            tps = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r]
-            entry = {"family": fam, "steps": int(tcfg.steps), "exit_code": rc,
-                     "tokens_per_s": tps[-1] if tps else None, "peak_rss_mib": rss,
-                     "wall_s": wall, "command": " ".join(cmd[1:])}
-            if rc != 0 or not tps:
-                entry["error_tail"] = log.read_text()[-1500:]
-                note(f"training {fam} failed (exit {rc}); see results.json error_tail")
-            out.append(entry)
-    return out
-
-
 # ----------------------------------------------------------------------------- report
 def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
@@ -482,13 +426,6 @@ def write_markdown(res: dict, path: Path) -> None:
             one = f["ms"][widths[0]]
             lines.append(f"| {f['dtype']} | " + " | ".join(
                 f"{f['ms'][w]:.1f} ({f['ms'][w] / one:.2f})" for w in widths) + " |")
-    if res["training"]:
-        lines += ["", "## Training throughput", "",
-                  "| family | steps | tokens/s | peak RSS (MiB) | wall (s) | exit |",
-                  "|---|---|---|---|---|---|"]
-        for t in res["training"]:
-            lines.append(f"| {t['family']} | {t['steps']} | {_fmt(t['tokens_per_s'], '.0f')} | "
-                         f"{t['peak_rss_mib']:.0f} | {t['wall_s']:.0f} | {t['exit_code']} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -505,17 +442,16 @@ def run(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     t0 = time.perf_counter()
+    cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
     loaded.model.to(cfg.device).eval()
     records = decode.prompt_records(str(questions), loaded.tokenizer, int(cfg.limit))
     forward = bench_forward_costs(cfg, loaded, records) if cfg.forward_costs.enabled else []
     decoding = bench_decoding(cfg, loaded, records)
     fallback = bench_fallback(cfg, loaded, records) if cfg.fallback_bound.enabled else []
-    training = bench_training(cfg) if cfg.train.enabled else []
     res = {"config": OmegaConf.to_container(cfg, resolve=True), "prompts": str(questions),
            "n_prompts": len(records), "target": loaded.identity.to_dict(),
            "forward_costs": forward, "decoding": decoding, "fallback_bound": fallback,
-           "training": training,
            "bench_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "bench_wall_s": time.perf_counter() - t0,
            "environment": environment(cfg.device),

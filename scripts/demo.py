@@ -6,7 +6,9 @@
 2. measure accept rates and costs on this machine, choose K*, write speculation.json;
 3. decode  held-out ShareGPT prompts with the trained head against plain decoding (same run);
 4. sweep   K on a few prompts and write the report (table + plots);
-5. export  the head in the EAGLE layout serving engines load, and decode again from the export.
+5. export  the head in the EAGLE layout serving engines load, and decode again from the export;
+6. decode  the same prompts with the released EAGLE-3 head (``releases/``, trained longer by
+           ``experiment=eagle3_cpu``) against plain decoding, in the dtype measured fastest here.
 
 Every stage is a plain command a user can run alone; this script only runs them in order and
 prints a summary. Extra arguments are passed to the training command (Hydra overrides).
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 OUT = REPO / "outputs" / "quickstart"
 DRAFT = OUT / "draft"
+RELEASE = REPO / "releases" / "eagle3-smollm2-135m"
 PROMPTS = ["prompts=sharegpt", "limit=6", "max_new_tokens=64", "temperature=0"]
 # Stage 3 decodes with a fixed 2-token EAGLE chain so that accept rates are visible even when
 # K* (stage 2) says speculation does not pay on this machine; K* is the default otherwise.
@@ -65,10 +68,15 @@ def main(extra: list[str]) -> None:
     times["reload"] = sh([sys.executable, "eval/decode.py", f"draft={export_dir}", *PROMPTS,
                           *CHAIN, "baseline=false", f"out={export_json}"],
                          "5b. decode again from the export")
-    summarize(decode_json, export_json, sweep_dir, times)
+    release_json = OUT / "decode-release.json"
+    times["release"] = sh([sys.executable, "eval/decode.py", f"draft={RELEASE}", *PROMPTS,
+                           "dtype=auto", f"out={release_json}"],
+                          "6. the released EAGLE-3 head vs plain decoding (its measured defaults)")
+    summarize(decode_json, export_json, sweep_dir, times, release_json)
 
 
-def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict) -> None:
+def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict,
+              release_json: Path) -> None:
     summary = json.loads((OUT / "summary.json").read_text())
     data = json.loads((DRAFT / "data_report.json").read_text())
     spec = json.loads((DRAFT / "speculation.json").read_text())
@@ -98,6 +106,10 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     print(f"  export reload          {sum(same)}/{len(same)} prompts decode identically from "
           "the EAGLE-layout export")
     print(f"  report                 {sweep_dir / 'report.md'} (+ PNG plots beside it)")
+    rel = json.loads(release_json.read_text())["summary"]
+    print(f"  released head          {RELEASE.name} ({rel['dtype']}): tau {rel['tau']:.2f}, "
+          f"{rel['speedup']:.2f}x plain decoding in the same run, outputs equal plain: "
+          f"{rel.get('matches_baseline', 'see decode-release.json')}")
     print("  stage times (s)        " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print("=" * 72)
 

@@ -187,7 +187,7 @@ def test_bench_decoding_section_on_a_tiny_target(setup, tmp_path, capsys):
         "questions": str(setup["questions"]), "limit": 2, "max_new_tokens": 6,
         "temperatures": [0.0, 1.0], "lm": str(setup["lm"]), "eagle": str(tmp_path / "missing"),
         "k": 2, "target_path": str(setup["target"]), "out_dir": str(tmp_path / "bench"),
-        "train": {"enabled": False}, "forward_costs": {"widths": [1, 3], "repeats": 2}})
+        "dtype": "float32", "forward_costs": {"widths": [1, 3], "repeats": 2}})
     res = bench.run(cfg)
     costs = {f["dtype"]: f["ms"] for f in res["forward_costs"]}
     assert set(costs) == {"float32", "bfloat16"} and all(
@@ -245,7 +245,7 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
         "temperatures": [0.0], "lm": str(pkg), "tree_topk": 2, "prompt_lookup": False,
         "medusa": str(_draft_package(setup, "medusa")[0]),
         "auto_rows": False, "target_path": str(setup["target"]), "out_dir": str(tmp_path / "b"),
-        "train": {"enabled": False}, "forward_costs": {"enabled": False},
+        "eagle": None, "dtype": "float32", "forward_costs": {"enabled": False},
         "fallback_bound": {"enabled": False}})
     rows = {r["method"]: r for r in bench.run(cfg)["decoding"]}
     assert set(rows) == {"plain (ours)", "plain (ours), again last", "hf_generate",

@@ -243,3 +243,115 @@ def test_cpu_threads_default_uses_the_cores_of_this_machine(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more processes than cores
     assert cpu_threads(None) == 1
     assert cpu_threads(3) == 3
+
+
+def _recipe(overrides: list[str]):
+    from accelerate.state import AcceleratorState
+
+    from train.distill import DistillRecipe
+
+    AcceleratorState._reset_state(True)
+    recipe = DistillRecipe(_compose(overrides))
+    recipe.setup()
+    return recipe
+
+
+def _loss_and_grads(recipe, batch, per_token: bool, fused: bool):
+    recipe.cfg.train.teacher_per_token = per_token
+    recipe.loss_fn.fused = fused
+    recipe.optimizer.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same EAGLE feature noise on both paths
+    loss, parts, _ = recipe.compute_loss(batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in recipe.family.module.named_parameters()
+             if p.grad is not None}
+    return loss.item(), parts, grads
+
+
+def _old_and_new_paths(overrides: list[str]):
+    """(loss, parts, grads) of one batch on the old path, then on the fast path."""
+    recipe = _recipe(overrides)
+    try:
+        batch = next(recipe._batches())
+        return (_loss_and_grads(recipe, batch, False, False),
+                _loss_and_grads(recipe, batch, True, True))
+    finally:
+        recipe.cleanup()
+
+
+FAST_PATH_CASES = {
+    "lm": ["draft=lm", "draft.config.num_layers=1"],
+    "medusa": ["draft=medusa"],
+    "eagle": ["draft=eagle"],
+    "eagle3": ["draft=eagle", "draft.config.draft_vocab_size=48", "draft.feature_weight=0",
+               "draft.config.fuse_layers=[0,1,2]", "loss=mix"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAST_PATH_CASES))
+def test_one_teacher_per_token_gives_the_per_position_losses_and_gradients(case, warm_cache,
+                                                                           tmp_path):
+    """The fast path (shared teacher rows, fused KL) against the old one (a teacher per
+    position, autograd through log_softmax) on the same batch: same loss, same gradients."""
+    (old_loss, old_parts, old_grads), (new_loss, new_parts, new_grads) = _old_and_new_paths(
+        TINY + FAST_PATH_CASES[case] + [f"out_dir={tmp_path}"])
+    assert new_loss == pytest.approx(old_loss, rel=1e-5)
+    assert new_parts.keys() == old_parts.keys()
+    for k in old_parts:
+        assert new_parts[k] == pytest.approx(old_parts[k], rel=1e-5, abs=1e-6)
+    assert old_grads.keys() == new_grads.keys() and old_grads
+    for n, g in old_grads.items():
+        assert torch.allclose(new_grads[n], g, rtol=1e-4, atol=1e-6), n
+
+
+def test_shared_teacher_equality_fails_when_teacher_rows_are_misaligned(warm_cache, tmp_path,
+                                                                       monkeypatch):
+    """Twin: with the teacher row of each EAGLE position off by one token, the fast path's loss
+    is no longer the per-position one (the comparison above can fail)."""
+    from heads import blocks, eagle
+
+    monkeypatch.setattr(eagle, "teacher_rows",
+                        lambda b, t, s, device: blocks.teacher_rows(b, t, s + 1, device))
+    (old_loss, _, _), (new_loss, _, _) = _old_and_new_paths(
+        TINY + ["draft=eagle", f"out_dir={tmp_path}"])
+    assert new_loss != pytest.approx(old_loss, rel=1e-3)
+
+
+def test_auto_dtypes_resolve_to_the_measured_fastest(monkeypatch, tmp_path):
+    import data.dtype
+    from train.distill import resolve_auto_dtypes
+
+    for fast, want_mp in (("bfloat16", "bf16"), ("float32", "no")):
+        monkeypatch.setattr(data.dtype, "fastest_dtype", lambda device="cpu", f=fast: f)
+        cfg = _compose(TINY + ["target.dtype=auto", "train.mixed_precision=auto",
+                               f"out_dir={tmp_path}"])
+        resolve_auto_dtypes(cfg)
+        assert (cfg.target.dtype, cfg.train.mixed_precision) == (fast, want_mp)
+    cfg = _compose(TINY + ["target.dtype=float32", "train.mixed_precision=bf16"])
+    resolve_auto_dtypes(cfg)  # explicit values stay
+    assert (cfg.target.dtype, cfg.train.mixed_precision) == ("float32", "bf16")
+
+
+def test_bad_target_dtype_is_refused_naming_the_choices(tmp_path):
+    from train.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="target.dtype"):
+        validate_config(_compose(TINY + ["target.dtype=fp8", f"out_dir={tmp_path}"]))
+
+
+def test_distill_restarts_itself_with_the_tuned_allocator(tmp_path):
+    """`python train/distill.py` re-executes once with glibc's mmap/trim settings (logged as
+    malloc=tuned); DRAFTSMITH_MALLOC=off keeps the default allocator."""
+    args = [sys.executable, "train/distill.py", *TINY, "draft=medusa", "train.max_steps=1",
+            "train.eval_every=1", "train.save_every=1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("DRAFTSMITH_MALLOC", None)
+    tuned = subprocess.run([*args, f"out_dir={tmp_path / 'a'}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "malloc=tuned" in tuned.stdout + tuned.stderr
+    plain = subprocess.run([*args, f"out_dir={tmp_path / 'b'}"], cwd=REPO,
+                           env={**env, "DRAFTSMITH_MALLOC": "off"}, capture_output=True,
+                           text=True, timeout=600, check=False)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "malloc=off" in plain.stdout + plain.stderr

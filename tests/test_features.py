@@ -42,7 +42,8 @@ def test_cache_holds_the_targets_final_hidden_states_and_layers(tmp_path, tiny_t
     assert [s["sequences"] for s in man["shards"]] == [4, 4, 3]
     assert man["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert man["target"] == tiny_target.identity.to_dict() and man["layers"] == [0, 2]
-    assert man["bytes_per_token"] == 32 * 2 * 3 + 5
+    # layer 2 of the 2-layer target is the final hidden state: served by `hidden`, not stored twice
+    assert man["bytes_per_token"] == 32 * 2 * 2 + 5
     verify_cache(tmp_path)
     ds = FeatureDataset(tmp_path, target=tiny_target.identity)
     assert len(ds) == len(rows)
@@ -157,6 +158,25 @@ def test_teacher_logits_match_the_lm_head(tiny_target):
     torch.testing.assert_close(hot, out.logits / 2, atol=1e-5, rtol=1e-5)
 
 
+def test_the_final_layer_is_served_by_the_final_hidden_state(tmp_path, tiny_target):
+    """An EAGLE-3 head fusing the last hidden-state id reads `hidden` there: the shard holds no
+    second copy, the dataset returns it bitwise, and the estimate matches the shard sizes."""
+    from safetensors import safe_open
+
+    rows = make_rows(6)
+    man = build_feature_cache(tiny_target, rows, tmp_path / "a", layers=[1, 2], progress=False)
+    with safe_open(str(tmp_path / "a" / man["shards"][0]["file"]), framework="pt") as f:
+        assert sorted(f.keys()) == ["hidden", "input_ids", "layer_1", "loss_mask", "offsets"]
+    ds = FeatureDataset(tmp_path / "a")
+    for i in range(len(ds)):
+        item = ds[i]
+        assert torch.equal(item["layers"][1], item["hidden"])
+    with_final = build_feature_cache(tiny_target, rows, tmp_path / "b", layers=[1], progress=False)
+    assert man["bytes_per_token"] == with_final["bytes_per_token"] == 32 * 2 * 2 + 5
+    size = sum((tmp_path / "a" / s["file"]).stat().st_size for s in man["shards"])
+    assert abs(size - man["tokens"] * man["bytes_per_token"]) < 0.05 * size + 4096
+
+
 def _tv(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """Total-variation distance per row between softmax(p) and softmax(q)."""
     return 0.5 * (p_logits.softmax(-1) - q_logits.softmax(-1)).abs().sum(-1)
@@ -235,3 +255,4 @@ def test_prepare_data_builds_then_reuses_caches(tmp_path):
     cfg.max_lenght = 5
     with pytest.raises(ValueError, match="unknown data config keys \\['max_lenght'\\]"):
         prepare_data(cfg, target, tmp_path / "out")
+

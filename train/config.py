@@ -11,7 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 DRAFT_KINDS = ("lm", "medusa", "eagle")
 LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
+TARGET_DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_WITH = ("tensorboard", "wandb", "none")
 
 
@@ -60,6 +61,7 @@ def validate_config(cfg: DictConfig) -> None:
     _positive(cfg, "train.keep_checkpoints")
     _positive(cfg, "train.max_grad_norm", float, allow_zero=True)
     _one_of(cfg, "train.mixed_precision", MIXED_PRECISION)
+    _one_of(cfg, "target.dtype", TARGET_DTYPES)
     if OmegaConf.select(cfg, "train.cpu_threads") is not None:
         _positive(cfg, "train.cpu_threads")
     _positive(cfg, "optim.lr", float)

@@ -13,6 +13,7 @@ metrics in ``train/``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,17 +24,26 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train import checkpoint as ckpt
-from train.config import ConfigError, validate_against_target, validate_config
+from train.config import (
+    MIXED_PRECISION,
+    TARGET_DTYPES,
+    ConfigError,
+    validate_against_target,
+    validate_config,
+)
 from train.families import build_family
+from train.losses import shared_teacher_log_probs
 from train.runtime import (
     StepLog,
     cosine_with_warmup,
     make_accelerator,
     make_epoch_loader,
+    reexec_with_tuned_malloc,
 )
 
 log = logging.getLogger("draftsmith.distill")
@@ -45,11 +55,30 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or inf; the run stops before the optimizer touches the weights."""
 
 
+def resolve_auto_dtypes(cfg: DictConfig) -> None:
+    """Replace ``target.dtype=auto`` and ``train.mixed_precision=auto`` in place by the dtype
+    measured fastest here (``data.dtype.fastest_dtype``), so the package's config records what
+    ran. On CUDA, auto means bf16."""
+    from data.dtype import fastest_dtype
+
+    wants = cfg.target.dtype == "auto" or cfg.train.mixed_precision == "auto"
+    if not wants:
+        return
+    fast = "bfloat16" if torch.cuda.is_available() else fastest_dtype("cpu")
+    if cfg.target.dtype == "auto":
+        cfg.target.dtype = fast
+    if cfg.train.mixed_precision == "auto":
+        cfg.train.mixed_precision = "bf16" if fast == "bfloat16" else "no"
+    log.info("dtype=auto: measured %s fastest here -> target.dtype=%s train.mixed_precision=%s",
+             fast, cfg.target.dtype, cfg.train.mixed_precision)
+
+
 class DistillRecipe:
     """One distillation run: everything it needs is built in ``setup`` from the config."""
 
     def __init__(self, cfg: DictConfig):
         validate_config(cfg)
+        resolve_auto_dtypes(cfg)
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.step = 0
@@ -62,12 +91,14 @@ class DistillRecipe:
         cfg = self.cfg
         self.accelerator = make_accelerator(cfg)
         acc = self.accelerator
+        self._check_ranks_agree_on_dtypes()
         torch.manual_seed(cfg.seed)
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         log.info("launcher=%s distributed_type=%s processes=%d device=%s mixed_precision=%s "
-                 "torch_threads=%d", cfg.launcher.name, acc.distributed_type.name,
-                 acc.num_processes, acc.device, acc.mixed_precision, torch.get_num_threads())
+                 "torch_threads=%d malloc=%s", cfg.launcher.name, acc.distributed_type.name,
+                 acc.num_processes, acc.device, acc.mixed_precision, torch.get_num_threads(),
+                 os.environ.get("DRAFTSMITH_MALLOC", "default"))
 
         # 1. target (converted once by the main process, then read from the cache by all)
         from data.target import load_target
@@ -120,6 +151,19 @@ class DistillRecipe:
         if cfg.train.resume:
             self._resume()
 
+    def _check_ranks_agree_on_dtypes(self) -> None:
+        """Every rank resolved ``auto`` dtypes on its own: refuse a run where they differ."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return
+        code = torch.tensor([TARGET_DTYPES.index(self.cfg.target.dtype),
+                             MIXED_PRECISION.index(self.cfg.train.mixed_precision)],
+                            device=acc.device)
+        codes = acc.gather(code[None]).view(-1, 2)
+        if not bool((codes == codes[0]).all()):
+            raise ConfigError("the processes measured different fastest dtypes for "
+                              "target.dtype / train.mixed_precision=auto; set both explicitly")
+
     def _check_deepspeed_clipping(self) -> None:
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is None:
@@ -166,26 +210,33 @@ class DistillRecipe:
         acc = self.accelerator
         outputs = self.family.forward(batch)
         weights = self.family.position_weights
+        d2t = self.family.draft_to_target
         total = torch.zeros((), device=self.accelerator.device)
         parts: dict[str, float] = {}
+        shared = self._shared_teacher(batch, outputs)
         for k, pos in enumerate(outputs):
-            # Only the counted rows (assistant tokens, no padding) go through the loss. The
-            # teacher comes from the cached hidden states through the frozen LM head: at once
-            # when it fits the budget, else in chunks inside the loss (never all (N, V) held).
+            # Only the counted rows (assistant tokens, no padding) go through the loss; families
+            # return them packed as (1, N, ...), all counted. The teacher comes from the cached
+            # hidden states through the frozen LM head: once per distinct row for all positions
+            # (train.teacher_per_token), else per position, at once when it fits the budget and
+            # otherwise in chunks inside the loss (never all (N, V) held).
             m = pos.mask
-            student, labels = pos.draft_logits[m][None], pos.labels[m][None]  # (1, N, V_draft)
-            t_hidden = pos.teacher_hidden[m][None]  # (1, N, H)
+            packed = m.shape[0] == 1 and bool(m.all())
+            student = pos.draft_logits if packed else pos.draft_logits[m][None]  # (1, N, V_draft)
+            labels = pos.labels if packed else pos.labels[m][None]
+            t_hidden = pos.teacher_hidden if packed else pos.teacher_hidden[m][None]  # (1, N, H)
             if student.shape[1] == 0:
                 lk = pos.draft_logits.sum() * 0.0
+            elif shared is not None:
+                lk = self.loss_fn(student, None, None, teacher_logp=shared[k][None],
+                                  draft_to_target=d2t, labels=labels)
             elif student.shape[1] * self.lm_head.shape[0] <= self.cfg.train.teacher_logits_budget:
                 with torch.no_grad():
                     teacher = self._teacher_logits(t_hidden)
-                lk = self.loss_fn(student, teacher, None,
-                                  draft_to_target=self.family.draft_to_target, labels=labels)
+                lk = self.loss_fn(student, teacher, None, draft_to_target=d2t, labels=labels)
             else:
                 lk = self.loss_fn(student, None, None, teacher_hidden=t_hidden,
-                                  lm_head_weight=self.lm_head,
-                                  draft_to_target=self.family.draft_to_target, labels=labels)
+                                  lm_head_weight=self.lm_head, draft_to_target=d2t, labels=labels)
             if pos.draft_hidden is not None and self.cfg.draft.feature_weight > 0:
                 diff = torch.nn.functional.smooth_l1_loss(
                     pos.draft_hidden.float(), pos.teacher_hidden.float(), reduction="none").mean(-1)
@@ -198,6 +249,21 @@ class DistillRecipe:
             if k == 0:
                 n_tokens = n_global
         return total, parts, n_tokens
+
+    def _shared_teacher(self, batch: dict, outputs: list) -> list[torch.Tensor] | None:
+        """Per position, the (N_k, V_draft) teacher log-probabilities of its counted rows, each
+        distinct row computed once (``train.teacher_per_token``), or None for the per-position
+        path (that setting off, or the distinct rows' log-probabilities over the budget)."""
+        if not self.cfg.train.teacher_per_token:
+            return None
+        rows = [pos.teacher_index[pos.mask] for pos in outputs]
+        vocab = self.lm_head.shape[0] if self.family.draft_to_target is None \
+            else self.family.draft_to_target.numel()
+        if int(torch.cat(rows).unique().numel()) * vocab > self.cfg.train.teacher_logits_budget:
+            return None
+        hidden = batch["hidden"].flatten(0, 1)  # (B*T, H)
+        return shared_teacher_log_probs(hidden, rows, self.lm_head, self.loss_fn.temperature,
+                                        self.family.draft_to_target, self.loss_fn.renormalize)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -248,7 +314,7 @@ class DistillRecipe:
             self.batch_in_epoch = 0
 
     def train(self) -> dict:
-        cfg, acc = self.cfg, self.accelerator
+        cfg = self.cfg
         model = self.family.module
         model.train()
         if self.step == 0:
@@ -260,32 +326,19 @@ class DistillRecipe:
         batches = self._batches()
         progress = self.steplog.progress(total=cfg.train.max_steps, initial=self.step)
         last_val = None
-        tokens_seen, t0 = 0, time.perf_counter()
+        tokens_seen, t0, start_step = 0, time.perf_counter(), self.step
         while self.step < cfg.train.max_steps:
             step_parts: dict[str, float] = {}
-            for _ in range(cfg.train.grad_accum):
-                batch = next(batches)
-                if self.rank_fingerprints is None:
-                    self.rank_fingerprints = self._fingerprints(batch)
-                with acc.accumulate(model):
-                    with acc.autocast():
-                        loss, parts, n_global = self.compute_loss(batch)
-                    finite = acc.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")
-                    if finite.item() < acc.num_processes:
-                        last = ckpt.latest_checkpoint(self.out_dir)
-                        raise NonFiniteLossError(
-                            f"loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}, "
-                            f"batch {self.batch_in_epoch}); stopping before the update. The last good "
-                            f"checkpoint is {last or 'none (no checkpoint saved yet)'}; lower optim.lr "
-                            "or check the data, then rerun to resume from it")
-                    acc.backward(loss)
-                    if acc.sync_gradients and cfg.train.max_grad_norm > 0:
-                        acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                tokens_seen += int(n_global.item())
-                for key, v in parts.items():
-                    step_parts[key] = step_parts.get(key, 0.0) + v / cfg.train.grad_accum
+            # The first step of a run can count its FLOPs (matmuls and attention, forward and
+            # backward; the benchmark divides FLOP/s by the machine's measured GEMM rate).
+            counting = cfg.train.count_flops and self.step == start_step
+            counter = FlopCounterMode(display=False) if counting else contextlib.nullcontext()
+            with counter:
+                step_tokens = self._train_step(model, batches, step_parts)
+            tokens_seen += step_tokens
+            if counting:
+                self.steplog.log_train(self.step + 1, {"flops_first_step": counter.get_total_flops(),
+                                                       "tokens_first_step": step_tokens})
             self.scheduler.step()
             self.step += 1
             progress.update(1)
@@ -294,6 +347,7 @@ class DistillRecipe:
                 self.steplog.log_train(self.step, {
                     "loss": sum(step_parts.values()), **step_parts,
                     "lr": self.scheduler.get_last_lr()[0],
+                    "tokens": tokens_seen, "elapsed_s": elapsed,
                     "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
             if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
                 last_val = self.validate()
@@ -306,6 +360,36 @@ class DistillRecipe:
         self.final_validation = {**last_val, "step": self.step}
         self._write_json("validation.json", self.final_validation)
         return self.final_validation
+
+    def _train_step(self, model, batches, step_parts: dict[str, float]) -> int:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the global count of
+        position-1 tokens it trained on (``step_parts`` collects the per-position losses)."""
+        cfg, acc = self.cfg, self.accelerator
+        tokens = 0
+        for _ in range(cfg.train.grad_accum):
+            batch = next(batches)
+            if self.rank_fingerprints is None:
+                self.rank_fingerprints = self._fingerprints(batch)
+            with acc.accumulate(model):
+                with acc.autocast():
+                    loss, parts, n_global = self.compute_loss(batch)
+                finite = acc.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")
+                if finite.item() < acc.num_processes:
+                    last = ckpt.latest_checkpoint(self.out_dir)
+                    raise NonFiniteLossError(
+                        f"loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}, "
+                        f"batch {self.batch_in_epoch}); stopping before the update. The last good "
+                        f"checkpoint is {last or 'none (no checkpoint saved yet)'}; lower optim.lr "
+                        "or check the data, then rerun to resume from it")
+                acc.backward(loss)
+                if acc.sync_gradients and cfg.train.max_grad_norm > 0:
+                    acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            tokens += int(n_global.item())
+            for key, v in parts.items():
+                step_parts[key] = step_parts.get(key, 0.0) + v / cfg.train.grad_accum
+        return tokens
 
     def _fingerprints(self, batch: dict) -> list[int]:
         """A checksum of each rank's first batch, gathered: distinct values = sharded data."""
@@ -393,5 +477,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_tuned_malloc()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

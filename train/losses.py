@@ -68,6 +68,76 @@ def target_to_draft_index(draft_to_target: Tensor, vocab_size: int) -> Tensor:
     return inv
 
 
+@torch.no_grad()
+def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
+                             temperature: float, draft_to_target: Tensor | None = None,
+                             renormalize: bool = False, chunk_size: int = 1024) -> list[Tensor]:
+    """Teacher log-probabilities for several draft positions, each teacher row computed once.
+
+    The teacher of draft position k at token t is the position-1 teacher of token t+k-1, so the
+    positions of one batch read mostly the same rows of ``hidden``: the LM head and the
+    vocabulary-wide softmax run once per distinct row instead of once per position.
+
+    Args:
+        hidden: (R, H) the batch's final hidden states, flattened over (B, T).
+        rows: per draft position, (N_k,) long indices into ``hidden`` (``teacher_index``).
+        lm_head_weight: (V, H) the target's frozen LM head.
+        temperature: > 0.
+        draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
+        renormalize: see the module docstring.
+        chunk_size: distinct rows per LM-head call (bounds the (chunk, V) logits held at once).
+
+    Returns:
+        per position, (N_k, V_draft) float32 log-probabilities (as ``teacher_log_probs``).
+    """
+    flat = torch.cat([r.reshape(-1) for r in rows])
+    unique, inverse = torch.unique(flat, return_inverse=True)
+    log_p = torch.cat([teacher_log_probs(hidden[c], temperature, lm_head_weight, draft_to_target,
+                                         renormalize) for c in unique.split(chunk_size)])
+    return [log_p[i] for i in inverse.split([r.numel() for r in rows])]
+
+
+class _ForwardKL(torch.autograd.Function):
+    """Row-wise KL(p || q) with q = softmax(z / T), its gradient written out by hand.
+
+    Forward: sum_v p log p - sum_v p log q; backward: dz = g ((sum_v p) q - p) / T, from the q
+    kept by the forward. Autograd through ``log_softmax`` would keep and traverse several more
+    (N, V) temporaries and exponentiate again in backward; on a CPU these vocabulary-wide passes,
+    not the matmuls, dominated a distillation step. ``p`` may be restricted (sum below 1).
+    """
+
+    @staticmethod
+    def forward(ctx, z: Tensor, log_p: Tensor, temperature: float) -> Tensor:  # (N, V) -> (N,)
+        zt = z.float() if temperature == 1.0 else z.float() / temperature
+        if zt.data_ptr() == z.data_ptr():
+            zt = zt.clone()  # overwritten in place below
+        p = log_p.exp()
+        mass = p.sum(-1, keepdim=True)  # (N, 1); 1 unless the teacher is restricted
+        cross = torch.linalg.vecdot(p, log_p) - torch.linalg.vecdot(p, zt)  # (N,)
+        zmax = zt.amax(dim=-1, keepdim=True)
+        q = zt.sub_(zmax).exp_()
+        total = q.sum(-1, keepdim=True)
+        q.div_(total)  # softmax(z / T), kept for backward
+        kl = cross + (mass * (zmax + total.log())).squeeze(-1)  # log q = z / T - zmax - log total
+        ctx.save_for_backward(q, p, mass)
+        ctx.temperature, ctx.z_dtype = temperature, z.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, p, mass = ctx.saved_tensors
+        dz = q.mul(mass).sub_(p).mul_(grad[:, None] / ctx.temperature)
+        return dz.to(ctx.z_dtype), None, None
+
+
+def fused_forward_kl(student_logits: Tensor, log_p: Tensor, temperature: float = 1.0) -> Tensor:
+    """(..., V) student logits, (..., V) teacher log-probs -> (...) KL(p || softmax(z / T))."""
+    shape = student_logits.shape[:-1]
+    v = student_logits.shape[-1]
+    return _ForwardKL.apply(student_logits.reshape(-1, v), log_p.reshape(-1, v),
+                            float(temperature)).reshape(shape)
+
+
 # ----- pointwise terms: (N, V) log p, (N, V) log q -> (N,) ----------------------------------
 def forward_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
     """KL(p || q) = sum_v p (log p - log q)."""
@@ -91,13 +161,16 @@ def generalized_jsd(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
 
 
 def _check_inputs(student_logits: Tensor, mask: Tensor, teacher_logits: Tensor | None,
-                  teacher_hidden: Tensor | None, lm_head_weight: Tensor | None) -> Tensor:
-    if (teacher_logits is None) == (teacher_hidden is None):
-        raise ValueError("give the teacher either as teacher_logits (B, T, V) or as "
-                         "teacher_hidden (B, T, H) with lm_head_weight (V, H), not both/neither")
+                  teacher_hidden: Tensor | None, lm_head_weight: Tensor | None,
+                  teacher_logp: Tensor | None = None) -> Tensor:
+    given = [t for t in (teacher_logits, teacher_hidden, teacher_logp) if t is not None]
+    if len(given) != 1:
+        raise ValueError("give the teacher exactly one way: either as teacher_logits (B, T, V), "
+                         "as teacher_hidden (B, T, H) with lm_head_weight (V, H), or as "
+                         "teacher_logp (B, T, V_draft)")
     if teacher_hidden is not None and lm_head_weight is None:
         raise ValueError("teacher_hidden needs lm_head_weight (V, H), the target's LM head")
-    teacher = teacher_logits if teacher_logits is not None else teacher_hidden
+    teacher = given[0]
     if student_logits.dim() != 3 or mask.shape != student_logits.shape[:2]:
         raise ValueError(f"student_logits must be (B, T, V) and mask (B, T); got "
                          f"{tuple(student_logits.shape)} and {tuple(mask.shape)}")
@@ -123,11 +196,13 @@ class DistillLoss(nn.Module):
         renormalize: restricted-teacher choice for a reduced draft vocabulary (module doc).
         feature_beta: smooth-L1 transition point.
         chunk_size: positions along T per teacher chunk.
+        fused: compute ``fkl`` with ``fused_forward_kl`` (hand-written gradient); False uses
+            autograd through ``log_softmax`` (the reference it is tested against).
     """
 
     def __init__(self, weights: dict[str, float], temperature: float = 1.0,
                  beta: float = 0.5, renormalize: bool = False, feature_beta: float = 1.0,
-                 chunk_size: int = 256) -> None:
+                 chunk_size: int = 256, fused: bool = True) -> None:
         super().__init__()
         unknown = set(weights) - set(LOSS_NAMES)
         if unknown:
@@ -145,6 +220,7 @@ class DistillLoss(nn.Module):
         self.jsd_beta = float(beta)
         self.renormalize = renormalize
         self.chunk_size = chunk_size
+        self.fused = bool(fused)
         self.feature_loss = FeatureRegressionLoss(beta=feature_beta)
 
     def _token_terms(self) -> list[str]:
@@ -153,18 +229,20 @@ class DistillLoss(nn.Module):
     def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                 mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
                 lm_head_weight: Tensor | None = None, draft_to_target: Tensor | None = None,
-                labels: Tensor | None = None, draft_hidden: Tensor | None = None) -> Tensor:
+                labels: Tensor | None = None, draft_hidden: Tensor | None = None,
+                teacher_logp: Tensor | None = None) -> Tensor:
         """Scalar weighted loss; arguments as in ``forward_with_parts``."""
         return self.forward_with_parts(
             student_logits, teacher_logits, mask, teacher_hidden=teacher_hidden,
             lm_head_weight=lm_head_weight, draft_to_target=draft_to_target, labels=labels,
-            draft_hidden=draft_hidden)[0]
+            draft_hidden=draft_hidden, teacher_logp=teacher_logp)[0]
 
     def forward_with_parts(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                            mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
                            lm_head_weight: Tensor | None = None,
                            draft_to_target: Tensor | None = None, labels: Tensor | None = None,
-                           draft_hidden: Tensor | None = None
+                           draft_hidden: Tensor | None = None,
+                           teacher_logp: Tensor | None = None
                            ) -> tuple[Tensor, dict[str, Tensor]]:
         """Weighted loss and its parts.
 
@@ -177,6 +255,9 @@ class DistillLoss(nn.Module):
             draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
             labels: (B, T) long target ids (for ``ce_data``).
             draft_hidden: (B, T, H) predicted features (for ``feature``; target = teacher_hidden).
+            teacher_logp: (B, T, V_draft) teacher log-probabilities already at this
+                temperature and restricted to the draft vocabulary (``shared_teacher_log_probs``);
+                replaces ``teacher_logits`` / ``teacher_hidden``.
 
         Returns:
             ``(total, parts)``: scalar weighted sum, and each unweighted term (detached).
@@ -185,7 +266,7 @@ class DistillLoss(nn.Module):
             mask = torch.ones(student_logits.shape[:2], dtype=torch.bool,
                               device=student_logits.device)
         teacher = _check_inputs(student_logits, mask, teacher_logits, teacher_hidden,
-                                lm_head_weight)
+                                lm_head_weight, teacher_logp)
         mask = mask.bool()
         n = mask.sum().clamp(min=1).float()
         terms = self._token_terms()
@@ -198,16 +279,25 @@ class DistillLoss(nn.Module):
                 inv = target_to_draft_index(draft_to_target, vocab)
         labels_t = labels if labels is not None else torch.zeros_like(mask, dtype=torch.long)
 
+        given_log_p = teacher_logp is not None
+        fused_fkl = self.fused
+        need_log_q = not fused_fkl or any(name != "fkl" for name in terms)
+
         def chunk_fn(s: Tensor, t: Tensor, m: Tensor, lab: Tensor) -> Tensor:
-            with torch.no_grad():
-                log_p = teacher_log_probs(t, self.temperature, lm_head_weight, draft_to_target,
-                                          self.renormalize)
-            z_q = s.float() if self.temperature == 1.0 else s.float() / self.temperature
-            log_q = torch.log_softmax(z_q, dim=-1)
+            if given_log_p:
+                log_p = t
+            else:
+                with torch.no_grad():
+                    log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
+                                              draft_to_target, self.renormalize)
+            if need_log_q:
+                z_q = s.float() if self.temperature == 1.0 else s.float() / self.temperature
+                log_q = torch.log_softmax(z_q, dim=-1)
             out = []
             for name in terms:
                 if name == "fkl":
-                    v = forward_kl(log_p, log_q)
+                    v = (fused_forward_kl(s, log_p, self.temperature) if fused_fkl
+                         else forward_kl(log_p, log_q))
                 elif name == "rkl":
                     v = reverse_kl(log_p, log_q)
                 elif name == "tvd":
@@ -235,7 +325,7 @@ class DistillLoss(nn.Module):
             # recomputed in backward (checkpointed) only on the memory-bounded path, where the
             # teacher comes from hidden states through the LM head.
             cs = self.chunk_size
-            recompute = teacher_logits is None and torch.is_grad_enabled() \
+            recompute = teacher_hidden is not None and torch.is_grad_enabled() \
                 and student_logits.requires_grad
             for args in zip(student_logits.split(cs, 1), teacher.split(cs, 1), mask.split(cs, 1),
                             labels_t.split(cs, 1)):

@@ -1,0 +1,94 @@
+"""Make a release copy of a draft package: 16-bit weights, every other file as is, a new manifest.
+
+    python scripts/release.py draft=outputs/eagle3_cpu/draft out=releases/eagle3-smollm2-135m
+
+Training keeps fp32 master weights; a release stores them in ``dtype`` (bf16 by default: the
+weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly). Integer and bool
+buffers (an EAGLE-3 head's d2t / t2d maps) are kept. ``release.json`` records the source
+package's manifest sha256, the command and the date. The source is verified first (its manifest
+and target identity), and ``out`` must not be the source or inside it. The result loads like any
+package (``heads.package.load_package``).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from heads.package import (
+    MANIFEST,
+    PACKAGE_JSON,
+    WEIGHTS,
+    fresh_tmp_dir,
+    publish_dir,
+    verify_folder,
+    write_manifest,
+)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
+            command: str | None = None) -> Path:
+    """Write the release folder ``out`` from the package ``draft``; returns ``out``."""
+    src, dst = Path(draft).resolve(), Path(out).resolve()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    if dst == src or src in dst.parents:
+        raise ValueError(f"out={out} is the package or inside it; choose a folder outside {draft}")
+    if not (src / PACKAGE_JSON).is_file():
+        raise ValueError(f"draft={draft} is not a draft package (no {PACKAGE_JSON})")
+    verify_folder(src)
+    info = json.loads((src / PACKAGE_JSON).read_text())
+    if info["draft_kind"] == "lm":
+        raise ValueError("release.py handles head packages (eagle, medusa); a draft LM package is "
+                         "a transformers folder: save it with save_pretrained(torch_dtype=...)")
+    tmp = fresh_tmp_dir(dst)
+    try:
+        for f in sorted(p for p in src.rglob("*") if p.is_file() and p.name != MANIFEST):
+            rel = f.relative_to(src)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            if rel.as_posix() == WEIGHTS:
+                state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
+                         for k, v in load_file(str(f)).items()}
+                save_file(state, str(tmp / rel), metadata={"format": "pt",
+                                                           "draft_kind": info["draft_kind"]})
+            else:
+                shutil.copy2(f, tmp / rel)
+        source_manifest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
+        record = {"source_package": str(draft), "source_manifest_sha256": source_manifest,
+                  "weights_dtype": dtype, "command": command,
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        (tmp / "release.json").write_text(json.dumps(record, indent=2))
+        old = json.loads((src / MANIFEST).read_text())
+        write_manifest(tmp, {k: v for k, v in old.items() if k != "files"})
+        publish_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def main(argv: list[str]) -> None:
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = set(args) - {"draft", "out", "dtype"}
+    if unknown or "draft" not in args or "out" not in args:
+        sys.exit(f"usage: python scripts/release.py draft=PKG out=DIR [dtype=bfloat16|float16]"
+                 f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
+    out = release(args["draft"], args["out"], args.get("dtype", "bfloat16"),
+                  command="python scripts/release.py " + " ".join(argv))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"release written to {out} ({size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

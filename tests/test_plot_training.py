@@ -1,0 +1,41 @@
+"""scripts/plot_training.py: the plotted points are the run's validations against its tokens."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from scripts import plot_training
+
+
+def _log(path, vals):
+    lines = [{"step": 0, "tag": "init", "alpha_hat": [0.01, 0.0]}]
+    for step, tokens, a in vals:
+        lines.append({"step": step, "loss": 1.0, "tokens": tokens, "elapsed_s": 1.0})
+        lines.append({"step": step, "tag": "val", "alpha_hat": a, "top1": a})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_curve_pairs_each_validation_with_the_tokens_trained_by_then(tmp_path):
+    _log(tmp_path / "train_log.jsonl", [(10, 1000, [0.2, 0.1]), (20, 10000, [0.3, 0.2]),
+                                        (30, 100000, [0.4, 0.3])])
+    pts = plot_training.curve(tmp_path / "train_log.jsonl")
+    assert [(p["step"], p["tokens"]) for p in pts] == [(0, 0), (10, 1000), (20, 10000),
+                                                       (30, 100000)]
+    a, b = plot_training.log_fit(pts, 0)
+    assert b == pytest.approx(0.1) and a + b * math.log10(1e6) == pytest.approx(0.5)
+    fits = plot_training.plot(pts, tmp_path / "a.png", "run")
+    assert fits[0]["at_10x"] == pytest.approx(0.5) and fits[1]["at_10x"] == pytest.approx(0.4)
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.reader(open(tmp_path / "a.csv")))
+    assert rows[0] == ["step", "tokens", "alpha_hat_pos1", "alpha_hat_pos2"]
+    assert [float(x) for x in rows[-1][2:]] == [0.4, 0.3]
+
+
+def test_a_log_without_token_counts_is_refused(tmp_path):
+    (tmp_path / "train_log.jsonl").write_text(json.dumps(
+        {"step": 0, "tag": "init", "alpha_hat": [0.0]}) + "\n")
+    with pytest.raises(ValueError, match="log_every"):
+        plot_training.curve(tmp_path / "train_log.jsonl")
