@@ -216,6 +216,17 @@ def lm_tree_pays(speculation: Mapping | None, dtype: str | None = None,
     return tree is not None and (chain is None or tree > chain)
 
 
+def chain_beat_tree(speculation: Mapping | None, dtype: str | None = None,
+                    device: str | None = None) -> bool:
+    """Whether ``speculation.json`` (for this dtype and device type) measured both the chain at
+    K* and a dynamic tree, and the chain decoded faster (an EAGLE head's ``tree=auto`` then
+    drafts chains)."""
+    spec = speculation or {}
+    depth, _, _ = resolve_tree(None, None, spec, dtype, device)
+    chain = (spec.get("measured_speedup") or {}).get("speedup")
+    return depth is not None and chain is not None and not lm_tree_pays(spec, dtype, device)
+
+
 def resolve_tree(k: Any, tree_size: Any, speculation: Mapping | None, dtype: str | None = None,
                  device: str | None = None) -> tuple[int | None, int | None, str]:
     """Dynamic-tree depth and size: the measured best shape of ``speculation.json``.
@@ -261,7 +272,8 @@ def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
 
     Chains start at K* (:func:`resolve_k`). Trees take the measured shape: the EAGLE and
     draft-LM dynamic tree (:func:`resolve_tree`; a draft LM's ``tree=auto`` becomes ``tree``
-    where :func:`lm_tree_pays`), the Medusa branching (:func:`resolve_medusa_branching`). With
+    where :func:`lm_tree_pays`, an EAGLE head's becomes ``chain`` where :func:`chain_beat_tree`),
+    the Medusa branching (:func:`resolve_medusa_branching`). With
     K* = 0 and the best measured tree a loss too, the start is plain decoding (K = 0). A null
     ``draft_vocab`` takes the measured one (:func:`resolve_draft_vocab`).
     """
@@ -271,6 +283,8 @@ def resolve_defaults(cfg: DictConfig, pkg: Any) -> tuple[DictConfig, int, str]:
         return cfg, k, k_source
     if pkg.kind == "lm" and cfg.tree == "auto" and lm_tree_pays(spec, cfg.dtype, cfg.device):
         cfg = OmegaConf.merge(cfg, {"tree": "tree"})
+    if pkg.kind == "eagle" and cfg.tree == "auto" and chain_beat_tree(spec, cfg.dtype, cfg.device):
+        cfg = OmegaConf.merge(cfg, {"tree": "chain"})
     if pkg.kind == "medusa" and cfg.tree in ("auto", "tree"):
         branching, source = resolve_medusa_branching(cfg.medusa_branching, spec, cfg.dtype,
                                                      cfg.device)

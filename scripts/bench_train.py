@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.dtype import matmul_rates
 from eval.kstar import environment
-from train.runtime import reexec_with_tuned_malloc
+from train.runtime import MALLOC_SWITCH, TUNED_MALLOC, reexec_with_tuned_malloc
 
 CONF_FILE = REPO / "conf" / "bench_train.yaml"
 
@@ -48,12 +49,16 @@ def note(msg: str) -> None:
 
 
 def run_with_peak_rss(cmd: list[str], log: Path, timeout_s: float,
-                      env: dict[str, str] | None = None) -> tuple[int, float, float]:
-    """Run ``cmd``; returns (exit code, wall seconds, peak RSS in MiB of it and its children)."""
+                      env: dict[str, str] | None = None,
+                      drop: tuple[str, ...] = ()) -> tuple[int, float, float]:
+    """Run ``cmd`` with this environment less ``drop`` plus ``env``; returns (exit code, wall
+    seconds, peak RSS in MiB of it and its children). This process runs with the tuned
+    allocator, so the variants drop its variables and each sets up its own."""
     t0 = time.perf_counter()
+    base = {k: v for k, v in os.environ.items() if k not in drop}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, **(env or {})})
+                                env={**base, **(env or {})})
         deadline = t0 + timeout_s
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -104,12 +109,15 @@ def bench_training(cfg: DictConfig, gemm: dict[str, float]) -> list[dict]:
             note(f"training: {v.name} ({cfg.steps} steps)")
             log = Path(tmp) / "bench.log"
             env = {k: str(x) for k, x in (v.get("env") or {}).items()}
-            rc, wall, rss = run_with_peak_rss(cmd, log, float(cfg.timeout_s), env)
+            rc, wall, rss = run_with_peak_rss(cmd, log, float(cfg.timeout_s), env,
+                                              drop=(*TUNED_MALLOC, MALLOC_SWITCH))
             path = Path(tmp) / "train_log.jsonl"
             recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
                 if path.is_file() else []
+            seen = re.search(r"malloc=(\w+)", log.read_text())  # what the run logged it used
             row = {"name": v.name, "what": v.what, "exit_code": rc, "wall_s": wall,
                    "peak_rss_mib": rss, "command": " ".join(cmd[1:]), "env": env,
+                   "malloc": seen.group(1) if seen else None,
                    **step_rates(recs, int(cfg.warmup_steps))}
             if "flops_per_token" in row and "tokens_per_s" in row:
                 row["flop_per_s"] = row["flops_per_token"] * row["tokens_per_s"]
@@ -180,16 +188,17 @@ def write_markdown(res: dict, path: Path) -> None:
              f"sequences, tokens/s over the steps after the first {res['config']['warmup_steps']}"
              " (trained position-1 tokens); MFU = FLOPs per token (first step, counted) x "
              "tokens/s over the GEMM rate."), "",
-             ("| variant | what | tokens/s | vs baseline | step (s) | tokens/step | GFLOP/token "
-             "| MFU bf16 | MFU fp32 | peak RSS (MiB) | exit |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| variant | what | malloc | tokens/s | vs baseline | step (s) | tokens/step "
+             "| GFLOP/token | MFU bf16 | MFU fp32 | peak RSS (MiB) | exit |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
     for r in res["training"]:
         lines.append(
-            f"| {r['name']} | {r['what']} | {f(r.get('tokens_per_s'), '.0f')} | "
+            f"| {r['name']} | {r['what']} | {r.get('malloc') or '-'} | "
+            f"{f(r.get('tokens_per_s'), '.0f')} | "
             f"{f(r.get('vs_baseline'), '.2f')}x | {f(r.get('median_step_s'), '.2f')} | "
             f"{f(r.get('tokens_per_step'), '.0f')} | "
             f"{f(r.get('flops_per_token', 0) / 1e9 or None, '.2f')} | "

@@ -452,3 +452,15 @@ def test_bad_draft_vocab_values_are_refused(setup):
     pkg, _ = _draft_package(setup, "medusa")
     with pytest.raises(ValueError, match=r"applies to \('lm', 'eagle'\) drafts, not medusa"):
         _decode(setup, pkg, "limit=1", "draft_vocab=40")
+
+
+def test_eagle_tree_gives_way_to_the_chain_only_where_the_chain_measured_faster():
+    spec = {"k_star": 2, "dtype": "bfloat16", "hardware": {"device": "cpu"},
+            "measured_speedup": {"speedup": 1.48},
+            "tree": {"depth": 2, "total_tokens": 16, "speedup": 1.27}}
+    assert decode.chain_beat_tree(spec, "bfloat16", "cpu")
+    assert not decode.chain_beat_tree(spec, "float32", "cpu")  # measured in another dtype
+    assert not decode.chain_beat_tree({**spec, "tree": {**spec["tree"], "speedup": 1.6}},
+                                      "bfloat16", "cpu")
+    assert not decode.chain_beat_tree({**spec, "measured_speedup": None}, "bfloat16", "cpu")
+    assert not decode.chain_beat_tree(None, "bfloat16", "cpu")

@@ -58,3 +58,28 @@ def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(
             release(src, bad)
     with pytest.raises(ValueError, match="dtype"):
         release(src, tmp_path / "x", dtype="int8")
+
+
+@pytest.mark.real
+def test_the_committed_release_loads_verifies_and_drafts_inside_its_vocabulary(real_target):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "releases" / "eagle3-smollm2-135m"
+    pkg = load_package(root, target=real_target)  # manifest + target identity checked
+    head = pkg.module
+    assert pkg.kind == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 30]
+    assert load_file(str(root / WEIGHTS))["fc.weight"].dtype == torch.bfloat16
+    assert pkg.speculation is not None and pkg.speculation["dtype"] in ("bfloat16", "float32")
+    # d2t / t2d: a round trip, and every proposal maps into the draft vocabulary
+    d2t, t2d = head.d2t, head.t2d
+    assert int(t2d.sum()) == d2t.numel() == 8192 and bool(t2d[d2t].all())
+    assert torch.equal(torch.nonzero(t2d).flatten(), d2t)
+    h = real_target.model.config.hidden_size
+    feats = torch.randn(1, 6, 3 * h)
+    ids = torch.randint(0, real_target.model.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        draft_ids = head.compute_logits(head(feats, ids)).argmax(-1)
+    proposed = head.to_target_ids(draft_ids)
+    assert bool(t2d[proposed].all())
+    rec = json.loads((root / "release.json").read_text())
+    assert rec["weights_dtype"] == "bfloat16" and rec["command"].startswith("python scripts/")
