@@ -29,7 +29,7 @@ def test_curve_pairs_each_validation_with_the_tokens_trained_by_then(tmp_path):
     fits = plot_training.plot(pts, tmp_path / "a.png", "run")
     assert fits[0]["at_10x"] == pytest.approx(0.5) and fits[1]["at_10x"] == pytest.approx(0.4)
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = list(csv.reader(open(tmp_path / "a.csv")))
+    rows = list(csv.reader((tmp_path / "a.csv").read_text().splitlines()))
     assert rows[0] == ["step", "tokens", "alpha_hat_pos1", "alpha_hat_pos2"]
     assert [float(x) for x in rows[-1][2:]] == [0.4, 0.3]
 
