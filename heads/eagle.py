@@ -366,9 +366,6 @@ def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
     return head.train()
 
 
-build_eagle_head = build_eagle  # the name the training recipe uses
-
-
 def fuse_features(layers: Tensor, layer_ids: Sequence[int], fuse_layers: Sequence[int]) -> Tensor:
     """Concatenate the chosen target layers into the head's input features.
 
@@ -496,11 +493,10 @@ def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mas
     outs = eagle_unrolled_forward(head, features, input_ids, num_steps or head.cfg.ttt_steps,
                                   attention_mask)
     result = []
-    bsz, seq = input_ids.shape
     for s, o in enumerate(outs, start=1):
         mask = teacher_mask(loss_mask, attention_mask, s)
         teacher, labels = shift_left(hidden, s, 0.0), shifted_labels(input_ids, s)
-        rows = teacher_rows(bsz, seq, s, input_ids.device)
+        rows = teacher_rows(*input_ids.shape, s, input_ids.device)
         if packed:
             o, teacher, labels, rows, mask = pack_rows(mask, o, teacher, labels, rows)
         result.append(DistillTarget(head.compute_logits(o), teacher, mask, labels, draft_hidden=o,

@@ -253,15 +253,15 @@ class DistillRecipe:
     def _shared_teacher(self, batch: dict, outputs: list) -> list[torch.Tensor] | None:
         """Per position, the (N_k, V_draft) teacher log-probabilities of its counted rows, each
         distinct row computed once (``train.teacher_per_token``), or None for the per-position
-        path (that setting off, or the distinct rows' log-probabilities over the budget)."""
+        path (that setting off, or the batch's (B*T, V_draft) log-probabilities over the budget)."""
         if not self.cfg.train.teacher_per_token:
             return None
-        rows = [pos.teacher_index[pos.mask] for pos in outputs]
+        hidden = batch["hidden"].flatten(0, 1)  # (B*T, H): at most this many distinct rows
         vocab = self.lm_head.shape[0] if self.family.draft_to_target is None \
             else self.family.draft_to_target.numel()
-        if int(torch.cat(rows).unique().numel()) * vocab > self.cfg.train.teacher_logits_budget:
+        if hidden.shape[0] * vocab > self.cfg.train.teacher_logits_budget:
             return None
-        hidden = batch["hidden"].flatten(0, 1)  # (B*T, H)
+        rows = [pos.teacher_index[pos.mask] for pos in outputs]
         return shared_teacher_log_probs(hidden, rows, self.lm_head, self.loss_fn.temperature,
                                         self.family.draft_to_target, self.loss_fn.renormalize)
 

@@ -153,7 +153,7 @@ def build_family(cfg: DictConfig, target, train_set=None) -> Family:
                     raise ValueError("a reduced draft vocabulary needs the training split to "
                                      "count tokens")
                 counts = train_set.token_counts(model.config.vocab_size)
-            head = eagle.build_eagle_head(head_cfg, model, token_counts=counts)
+            head = eagle.build_eagle(head_cfg, model, token_counts=counts)
         head.train()
         d2t = getattr(head, "d2t", None) if head_cfg.draft_vocab_size is not None else None
         layer_ids = list(getattr(train_set, "layers", None) or []) or None
