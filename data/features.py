@@ -158,7 +158,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     spec_path, manifest_path = out / "spec.json", out / "manifest.json"
     if spec_path.exists():
         old = json.loads(spec_path.read_text())
-        TargetIdentity.from_dict(old["target"]).check_compatible(target.identity)
+        TargetIdentity.from_dict(old["target"]).check_compatible(
+            target.identity, where=f"feature cache {out}")
         diff = sorted(k for k in spec if k != "target" and old.get(k) != spec[k])
         if diff:
             raise FeatureCacheError(
@@ -245,7 +246,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         self.manifest = read_manifest(self.dir)
         self.identity = TargetIdentity.from_dict(self.manifest["target"])
         if target is not None:
-            self.identity.check_compatible(target)
+            self.identity.check_compatible(target, where=f"feature cache {self.dir}")
         self.layers: list[int] = self.manifest["layers"]
         counts = [s["sequences"] for s in self.manifest["shards"]]
         self._starts = np.concatenate([[0], np.cumsum(counts)])
@@ -331,7 +332,14 @@ def collate_features(batch: Sequence[dict[str, torch.Tensor]], pad_id: int = 0
 
 def teacher_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
-    """Teacher logits from cached hidden states: ``(hidden @ W^T) / T`` in fp32.
+    """Teacher logits from cached hidden states: ``lm_head(hidden) / T`` in fp32.
+
+    The one place the frozen LM head is applied to cached hidden states: the training recipe,
+    losses and metrics (through ``train.losses.teacher_log_probs``) and the cache's own checks
+    all call it. It lives in ``data/`` because the cache defines what its rows mean and ``data/``
+    must not import ``train/``. The matmul runs in the LM head's dtype, as in the target's own
+    forward (a bf16 target's teacher is its bf16 logits; the (V, H) weight is not copied to fp32
+    per call).
 
     Args:
         hidden: ``(..., H)`` cached final hidden states (any float dtype).
@@ -341,10 +349,16 @@ def teacher_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     Returns:
         ``(..., V)`` fp32 logits; ``softmax`` of them is the teacher distribution of the next token.
     """
+    logits = torch.nn.functional.linear(hidden.to(lm_head_weight.dtype), lm_head_weight)
+    return scale_logits(logits, temperature)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in fp32 (no copy beyond the cast at temperature 1)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = hidden.float() @ lm_head_weight.float().T
-    return logits / temperature if temperature != 1.0 else logits
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
 
 
 __all__ = [
@@ -354,6 +368,7 @@ __all__ = [
     "build_feature_cache",
     "collate_features",
     "read_manifest",
+    "scale_logits",
     "teacher_logits",
     "verify_cache",
 ]

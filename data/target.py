@@ -66,8 +66,12 @@ class TargetIdentity:
             raise ValueError(f"target identity is missing fields {sorted(missing)}: {d}")
         return cls(**{k: d[k] for k in names})
 
-    def check_compatible(self, other: TargetIdentity) -> None:
-        """Raise `TargetMismatchError` naming every differing field (the name is not compared)."""
+    def check_compatible(self, other: TargetIdentity, where: str = "a cache or draft") -> None:
+        """Raise `TargetMismatchError` naming every differing field (the name is not compared).
+
+        ``self`` is the target that ``where`` (a feature cache, a draft package, an export) was
+        made for; ``other`` is the target it is used with.
+        """
         diffs = [
             f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
             for f in fields(self)
@@ -75,8 +79,9 @@ class TargetIdentity:
         ]
         if diffs:
             raise TargetMismatchError(
-                f"target '{self.name}' does not match target '{other.name}': " + "; ".join(diffs)
-            )
+                f"{where} made for target '{self.name}' does not match target '{other.name}': "
+                + "; ".join(diffs) + ". Fix: load the target it was made for, or rebuild it for "
+                "this target.")
 
 
 @dataclass

@@ -140,7 +140,7 @@ class SpeculativeDecoder:
         generated: list[int] = []
 
         out = self.target.prefill(torch.tensor(prompt))
-        first, _ = sampling.sample(out.logits[-1], generator)
+        first = sampling.token(out.logits[-1], generator)
         stats.verify_time_s += time.perf_counter() - t_start
         done = stopper.push(generated, first)
         if not done:

@@ -19,10 +19,8 @@ fewer than ``min_fraction`` of the prompts or diverges anywhere that is not a ti
 """
 from __future__ import annotations
 
-import datetime as _dt
 import itertools
 import json
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -36,24 +34,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eval.decode import (
-    DTYPES,
-    VOCAB_FAMILIES,
-    build_proposer,
-    load_draft,
-    parse_draft_vocab,
-    prompt_records,
-)
-from eval.decoder import SpeculativeDecoder
+from eval import session
+from eval.decode import CONF_DIR, DTYPES
+from eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
+from eval.machine import environment
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
 from eval.stats import DecodeStats
-from eval.target_model import Target
+from heads.family import TreeKind, get_family
 
-CONF_FILE = Path(__file__).resolve().parents[1] / "conf" / "exactness.yaml"
-# proposers checked per draft kind: (label, decode.py ``tree=`` mode)
-KIND_PROPOSERS = {"lm": [("lm-chain", "chain"), ("lm-tree", "tree")],
-                  "medusa": [("medusa-tree", "tree")],
-                  "eagle": [("eagle-chain", "chain"), ("eagle-tree", "tree")]}
+# decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too
+TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",)}
 
 
 # ----------------------------------------------------------------------------- tie logic
@@ -152,24 +142,19 @@ def reference_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_toke
 
 # ----------------------------------------------------------------------------- proposers
 def standin_packages(cfg: DictConfig, model: torch.nn.Module) -> list[Any]:
-    """Untrained stand-ins as package-like objects (``kind``, ``module``, ``head_config``)."""
+    """Untrained stand-ins of every family in ``cfg.standins`` (head config values), as
+    package-like objects."""
     from types import SimpleNamespace
 
-    from heads.draft_lm import DraftLMConfig, build_draft_lm
-    from heads.eagle import EagleConfig, build_eagle
-    from heads.medusa import MedusaConfig, build_medusa
-
     torch.manual_seed(int(cfg.seed))
-    n_lm = min(int(cfg.standin_lm_layers), int(model.config.num_hidden_layers))
-    lm_cfg = DraftLMConfig.matching(model.config, n_lm, init="target")
-    med_cfg = MedusaConfig(num_heads=int(cfg.standin_medusa_heads))
-    eagle_cfg = EagleConfig()
-    return [SimpleNamespace(kind="lm", module=build_draft_lm(lm_cfg, model).eval(),
-                            head_config=lm_cfg, name="untrained"),
-            SimpleNamespace(kind="medusa", module=build_medusa(med_cfg, model).eval(),
-                            head_config=med_cfg, name="untrained"),
-            SimpleNamespace(kind="eagle", module=build_eagle(eagle_cfg, model).eval(),
-                            head_config=eagle_cfg, name="untrained")]
+    out = []
+    for name, raw in OmegaConf.to_container(cfg.standins, resolve=True).items():
+        family = get_family(name)
+        head_cfg = family.head_config(raw, model.config)
+        out.append(SimpleNamespace(kind=name, family=family, head_config=head_cfg,
+                                   module=family.build(head_cfg, model).eval(), name="untrained",
+                                   speculation=None, path=None))
+    return out
 
 
 def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
@@ -185,20 +170,19 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
     if not drafts:
         pkgs = [(p, p.name) for p in standin_packages(cfg, model)]
     for pkg, name in pkgs:
-        if pkg.kind not in KIND_PROPOSERS:
-            raise ValueError(f"draft kind {pkg.kind!r} of {name} is not checked; known kinds "
-                             f"{sorted(KIND_PROPOSERS)}")
+        family = pkg.family
         # the whole vocabulary, and (draft_vocab=N, draft LM / EAGLE) its N most frequent ids
         vocabs = [None]
-        if parse_draft_vocab(cfg.draft_vocab) is not None and pkg.kind in VOCAB_FAMILIES:
+        if parse_draft_vocab(cfg.draft_vocab) is not None and family.draft_vocab:
             vocabs.append(parse_draft_vocab(cfg.draft_vocab))
-        for (label, tree), size in itertools.product(KIND_PROPOSERS[pkg.kind], vocabs):
-            pcfg = OmegaConf.create({"draft": name, "device": cfg.device, "dtype": cfg.dtype,
-                                     "tree": tree, "tree_topk": cfg.tree_topk,
-                                     "tree_size": cfg.tree_size, "draft_vocab": size,
-                                     "medusa_branching": list(cfg.medusa_branching)})
-            proposer, _ = build_proposer(pcfg, loaded, vocab, pkg)
-            out.append((f"{label}{f'/{size}ids' if size else ''}@{name}", proposer))
+        for tree, size in itertools.product(TREE_MODES[family.tree], vocabs):
+            options = {"device": cfg.device, "dtype": cfg.dtype, "tree": tree,
+                       "tree_topk": cfg.tree_topk, "tree_size": cfg.tree_size,
+                       "draft_vocab": size, "medusa_branching": list(cfg.medusa_branching)}
+            plan = settle(options, pkg, measured=False)
+            proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
+            label = f"{family.name}-{tree}{f'/{size}ids' if size else ''}"
+            out.append((f"{label}@{name}", proposer))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a folder name ({names}); give folders distinct names")
@@ -234,26 +218,13 @@ def _prompt_sets(cfg: DictConfig) -> list[str]:
     return sets
 
 
-def hardware(device: Any) -> dict[str, Any]:
-    """Where the check ran (device, CPU, threads, library versions)."""
-    import transformers
-
-    info = {"device": str(device), "cpu": platform.processor() or platform.machine(),
-            "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__}
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
 def _check_proposer(name: str, proposer: Proposer, model: torch.nn.Module, records: list[dict],
                     refs: dict[str, list[int]], cfg: DictConfig, eos: Any,
                     memo: dict[tuple[int, ...], tuple[float, int, int]]) -> dict:
     """Decode every record with one proposer and compare with the references."""
     k = 0 if type(proposer) is PlainProposer else int(cfg.k)
-    dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k, k_max=cfg.k_max,
-                             adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback))
+    dec = session.decoder(model, proposer, k=k, k_max=cfg.k_max, adaptive=bool(cfg.adaptive_k),
+                          fallback=bool(cfg.fallback))
     divergences, parts = [], []
     for rec in records:
         res = dec.generate(rec["prompt_ids"], int(cfg.max_new_tokens), 0.0, eos_token_id=eos)
@@ -291,7 +262,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     """Run the check; returns the report dict (also written to ``cfg.out``).
 
     Args:
-        cfg: the ``conf/exactness.yaml`` keys.
+        cfg: the ``conf/eval/exactness.yaml`` keys.
         loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
     """
     _validate(cfg)
@@ -305,22 +276,18 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
 
 
 def _run(cfg: DictConfig, loaded: Any) -> dict:
-    from data.target import load_target
-
     sets = _prompt_sets(cfg)
-    if loaded is None:
-        loaded = load_target(cfg.target_path or None, dtype=getattr(torch, cfg.dtype))
-    model = loaded.model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
-    tok = loaded.tokenizer
+    loaded = session.open_target(cfg, loaded)
+    model, tok = loaded.model, loaded.tokenizer
     records = []
     for s in sets:
-        for rec in prompt_records(s, tok, int(cfg.per_set)):
+        for rec in session.prompt_records(s, tok, int(cfg.per_set)):
             records.append({**rec, "set": s, "key": f"{s}:{rec['id']}"})
     if not records:
         raise ValueError(f"no prompts loaded from prompts={sets} (per_set={cfg.per_set})")
     if len({r["key"] for r in records}) != len(records):
         raise ValueError(f"prompt ids repeat within prompts={sets}: list each set once")
-    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = session.eos_ids(model)
     pad = getattr(tok, "pad_token_id", None)
 
     t0 = time.perf_counter()
@@ -335,8 +302,7 @@ def _run(cfg: DictConfig, loaded: Any) -> dict:
     settings.pop("hydra", None)
     result: dict[str, Any] = {
         "settings": {**settings, "prompt_sets": sets},
-        "hardware": hardware(cfg.device),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment(cfg.device),
         "target": loaded.identity.to_dict() if hasattr(loaded.identity, "to_dict") else None,
         "reference_time_s": ref_time,
         "proposers": proposers,
@@ -373,27 +339,17 @@ def print_table(result: dict) -> None:
         console.print(f"[red]FAIL[/red] {line}")
 
 
-def _register_config() -> str:
-    """Register conf/exactness.yaml alone: conf/ also holds the training groups (conf/draft/...)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="draftsmith_exactness", node=OmegaConf.load(CONF_FILE))
-    return "draftsmith_exactness"
-
-
 def run_overrides(overrides: list[str], loaded: Any = None) -> dict:
     """Run with Hydra override strings in-process (tests, scripts)."""
-    from hydra import compose, initialize
-
-    name = _register_config()
-    with initialize(config_path=None, version_base="1.3"):
-        cfg = compose(config_name=name, overrides=list(overrides))
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra.compose(config_name="exactness", overrides=list(overrides))
     return run(cfg, loaded)
 
 
 _EXIT: list[int] = []
 
 
+@hydra.main(config_path="../conf/eval", config_name="exactness", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     result = run(cfg)
     print_table(result)
@@ -402,7 +358,7 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> int:
     """CLI entry point; returns the exit code (1 when the check fails)."""
-    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()
+    _main()
     return _EXIT[-1] if _EXIT else 1
 
 

@@ -1,69 +1,25 @@
-"""K*: the draft length that maximises measured speedup, and the ``speculation.json`` record.
+"""K*: the draft length that maximises expected speedup, and the ``speculation.json`` record.
 
-With conditional acceptance ``alpha_i`` per draft position, ``E_K = 1 + sum_{i<=K} prod_{j<=i}
-alpha_j`` tokens come out of a step that drafts ``K`` tokens; the step costs ``K * t_draft +
-t_verify(K)`` against ``E_K`` plain steps of ``t_AR`` each, so
-
-    K* = argmax_K  E_K * t_AR / (K * t_draft + t_verify(K)).
-
-Costs are medians of repeated timings on the machine at hand; alphas come from a decoder run at a
-fixed ``K`` without adaptation or fallback. The record names the hardware, dtype, versions and
-date; ``eval/measure.py`` is its command line.
+The cost model (``E_K``, the speedup of K drafts, K*) is :mod:`eval.cost`. Costs are medians of
+repeated timings on the machine at hand; alphas come from a decoder run at a fixed ``K`` without
+adaptation or fallback. The record names the hardware, dtype, versions and date;
+``eval/measure.py`` is its command line.
 """
 from __future__ import annotations
 
-import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from eval.cost import Costs, choose_kstar
 from eval.decoder import SpeculativeDecoder
+from eval.machine import environment
 from eval.proposers import DecodeContext, Proposer, Sampling
 from eval.stats import DecodeStats
 from eval.target_model import Target
-
-
-def expected_tokens_per_step(alpha: Sequence[float], k: int) -> float:
-    """``E_K = 1 + sum_{i<=K} prod_{j<=i} alpha_j`` (needs ``len(alpha) >= k``)."""
-    if k > len(alpha):
-        raise ValueError(f"need alpha for {k} positions, have {len(alpha)}")
-    total, prod = 1.0, 1.0
-    for a in alpha[:k]:
-        if not 0.0 <= a <= 1.0:
-            raise ValueError(f"alpha values must lie in [0, 1], got {a}")
-        prod *= a
-        total += prod
-    return total
-
-
-def choose_kstar(alpha: Sequence[float], t_draft: float, t_verify: Mapping[int, float],
-                 t_ar: float) -> tuple[int, dict[int, float]]:
-    """Pick K* from per-position alphas and measured costs.
-
-    Args:
-        alpha: conditional acceptance per position (``alpha[i-1]`` for position ``i``).
-        t_draft: seconds per drafted token.
-        t_verify: seconds of one target forward verifying ``K`` drafts (``K + 1`` tokens), per K.
-        t_ar: seconds of one plain decoding step.
-
-    Returns:
-        ``(k_star, speedup)`` with the expected speedup for every K in ``t_verify`` that has an
-        alpha (``K = 0`` is plain decoding, speedup ``t_ar / t_verify[0]``).
-    """
-    if t_ar <= 0 or t_draft < 0:
-        raise ValueError(f"costs must be positive, got t_ar={t_ar}, t_draft={t_draft}")
-    speedup = {}
-    for k in sorted(t_verify):
-        if k <= len(alpha):
-            cost = k * t_draft + t_verify[k]
-            speedup[k] = expected_tokens_per_step(alpha, k) * t_ar / cost
-    if not speedup:
-        raise ValueError("no K has both a verify cost and an alpha")
-    k_star = max(speedup, key=lambda k: (speedup[k], -k))
-    return k_star, speedup
 
 
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
@@ -128,12 +84,14 @@ def measure_costs(target: Target, proposer: Proposer, prompt_ids: Sequence[int],
     dev = target.device
 
     def forward_tree(nodes: int) -> None:
-        target.forward_tree(torch.full((nodes + 1,), first), _tree_parents(nodes + 1, tree_branching))
+        parents = _tree_parents(nodes + 1, tree_branching)
+        target.forward_tree(torch.full((nodes + 1,), first), parents)
         target.crop(n)
 
     t_fwd = forward_costs(target, [k + 1 for k in set(ks) | {0}], repeats, first)
     t_verify = {w - 1: t for w, t in t_fwd.items()}
-    t_tree = {m: _median_time(lambda m=m: forward_tree(m), repeats, dev) for m in sorted(set(tree_nodes))}
+    t_tree = {m: _median_time(lambda m=m: forward_tree(m), repeats, dev)
+              for m in sorted(set(tree_nodes))}
     k_max = max(max(ks), 1)
     ctx = DecodeContext(prompt + [first], Sampling(0.0))
     proposer.reset(list(ctx.tokens), out)
@@ -150,41 +108,11 @@ def measure_costs(target: Target, proposer: Proposer, prompt_ids: Sequence[int],
     return {"t_ar": t_verify[0], "t_draft": t_draft, "t_verify": t_verify, "t_verify_tree": t_tree}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(device: torch.device | str | None = None) -> dict[str, Any]:
-    """Hardware, software versions and date for the record."""
-    import datetime
-    import os
-
-    import transformers
-
-    hw: dict[str, Any] = {"cpu": _cpu_model(), "machine": platform.machine(),
-                          "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
-        hw["gpu"] = torch.cuda.get_device_name(dev)
-    hw["device"] = str(dev) if dev is not None else "cpu"
-    return {"hardware": hw,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Sequence[int]],
                         k_max: int = 8, max_new_tokens: int = 64, temperature: float = 0.0,
                         repeats: int = 7, seed: int = 0,
                         tree_nodes: Sequence[int] = (), min_reached: int = 20) -> dict[str, Any]:
-    """Measure alpha_i (decoder at fixed ``k_max``) and costs, choose K*; the ``speculation.json`` dict.
+    """Measure alpha_i (decoder at fixed ``k_max``) and costs, choose K*; the ``speculation.json``.
 
     Args:
         target: the target wrapper (with the layers the proposer needs).
@@ -226,7 +154,7 @@ def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Se
         trusted += 1
     alpha = alpha_all[:max(trusted, 1)]
     costs = measure_costs(target, proposer, prompts[0], range(len(alpha) + 1), repeats, tree_nodes)
-    k_star, speedup = choose_kstar(alpha, costs["t_draft"], costs["t_verify"], costs["t_ar"])
+    k_star, speedup = choose_kstar(alpha, Costs(costs["t_ar"], costs["t_draft"], costs["t_verify"]))
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     return {"k_star": k_star, "expected_speedup": {str(k): v for k, v in speedup.items()},
             "alpha": alpha, "alpha_cumulative": stats.alpha_cumulative[:len(alpha)],

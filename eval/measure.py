@@ -32,31 +32,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.dtype import resolve_dtype
-from eval.decode import CONF_FILE, build_proposer, decode_set, prompt_records
-from eval.decoder import SpeculativeDecoder
+from eval import session
+from eval.decode import CONF_DIR
+from eval.draft import build_proposer, load_draft, settle
 from eval.kstar import measure_speculation
-from eval.proposers import PlainProposer, medusa_choices
+from eval.proposers import Proposer, medusa_choices
 from eval.target_model import Target
-
-# Keys added to conf/decode.yaml's for this command (one-line reason each).
-MEASURE_DEFAULTS = {
-    "prompts": "sharegpt",   # prompt set of the measuring run
-    "k": None,               # unused here (K* is the output)
-    "k_measure": 8,          # fixed draft length of the alpha run and the largest K considered
-    "repeats": 7,            # timing repetitions per cost (medians are written)
-    "min_reached": 20,       # a position's alpha enters K* only if reached this often
-    "rerun": True,           # decode again at K* and plainly to record the measured speedup
-    "tree_depths": [1, 2, 3],  # EAGLE / draft LM: dynamic-tree depths tried (the tree analogue of K*)
-    "tree_sizes": [8, 16, 32],  # EAGLE / draft LM: dynamic-tree sizes (nodes kept after the rerank) tried
-    # Medusa: static-tree shapes tried (top-k per head; [] skips the search)
-    "medusa_branchings": [[1], [2], [4], [2, 1], [4, 1], [2, 2, 1], [4, 2, 1], [4, 2, 2, 1]],
-    # EAGLE / draft LM with token_frequency.json: draft vocabularies tried (most frequent ids;
-    # the whole vocabulary always runs too; [] skips the search)
-    "draft_vocab_sizes": [4096, 8192, 16384],
-    "write": True,           # write speculation.json into the package (false = print only)
-}
-CONFIG_NAME = "draftsmith_measure"
-TREE_FAMILIES = ("eagle", "lm")  # families with a dynamic tree whose shape is measured
+from heads.family import DraftFamily, TreeKind
+from heads.package import PACKAGE_JSON
 
 
 def max_tree_nodes(depth: int, topk: int) -> int:
@@ -68,8 +51,8 @@ def _validate(cfg: DictConfig) -> None:
     if cfg.draft is None or str(cfg.draft).lower() in ("none", "null", "", "lookup"):
         raise ValueError("measure.py needs draft=DIR of a draft package (K* is a property of a "
                          "trained draft)")
-    if not (Path(str(cfg.draft)) / "draftsmith.json").is_file():
-        raise ValueError(f"draft={cfg.draft} is not a draft package (no draftsmith.json); K* is "
+    if not (Path(str(cfg.draft)) / PACKAGE_JSON).is_file():
+        raise ValueError(f"draft={cfg.draft} is not a draft package (no {PACKAGE_JSON}); K* is "
                          "written into packages, so measure the package an export came from")
     if int(cfg.k_measure) < 1:
         raise ValueError(f"k_measure must be >= 1, got {cfg.k_measure}")
@@ -91,14 +74,22 @@ def _validate(cfg: DictConfig) -> None:
         raise ValueError(f"dtype={cfg.dtype!r}: allowed float32, bfloat16, float16, auto")
 
 
-def tree_shapes(kind: str, cfg: DictConfig, head_config: Any) -> list[dict[str, Any]]:
+def proposer_for(cfg: DictConfig, overrides: dict, loaded: Any, pkg: Any) -> Proposer:
+    """The package's proposer drafting exactly as ``cfg`` merged with ``overrides`` says
+    (``speculation.json`` is what is being measured, so it is not read)."""
+    plan = settle(OmegaConf.merge(cfg, overrides), pkg, measured=False)
+    return build_proposer(pkg, plan, loaded, int(loaded.model.config.vocab_size), cfg.device,
+                          cfg.dtype)
+
+
+def tree_shapes(family: DraftFamily, cfg: DictConfig, head_config: Any) -> list[dict[str, Any]]:
     """The tree shapes measure.py decodes with, as ``{"depth", "total_tokens", "overrides"}``
     (plus ``"branching"`` for Medusa): EAGLE and draft LM, the dynamic tree at each (depth, size)
     of ``tree_depths`` x ``tree_sizes`` (a size larger than a depth can hold, ``topk`` nodes per
     expanded node and ``topk`` expanded per depth, is the full tree of that depth and is tried
     once); Medusa, each of ``medusa_branchings`` that the heads can serve."""
     shapes: list[dict[str, Any]] = []
-    if kind in TREE_FAMILIES:
+    if family.tree is TreeKind.DYNAMIC:
         topk = int(cfg.tree_topk)
         for depth in sorted({int(d) for d in cfg.tree_depths}):
             cap = max_tree_nodes(depth, topk)
@@ -107,10 +98,11 @@ def tree_shapes(kind: str, cfg: DictConfig, head_config: Any) -> list[dict[str, 
             sizes = [n for n in sizes if n <= cap] + ([] if cap in sizes else over)
             shapes += [{"depth": depth, "total_tokens": n,
                         "overrides": {"tree": "tree", "tree_size": n}} for n in sizes]
-    elif kind == "medusa":
+    else:
+        longest = family.max_draft_length(head_config)
         for b in cfg.medusa_branchings:
             b = [int(x) for x in b]
-            if len(b) <= int(head_config.num_heads):
+            if longest is None or len(b) <= longest:
                 shapes.append({"depth": len(b), "total_tokens": len(medusa_choices(b)),
                                "branching": b,
                                "overrides": {"tree": "tree", "medusa_branching": b}})
@@ -123,15 +115,11 @@ def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], c
     if k_star == 0:
         return {"k": 0, "speedup": None,
                 "note": "K* = 0: plain decoding is fastest with this draft on this machine"}
-    dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k_star,
-                             adaptive=False, fallback=False)
-    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
-    dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
-    _, spec = decode_set(dec, records, cfg, eos)
-    _, base = decode_set(plain, records, cfg, eos)
+    dec = session.decoder(model, proposer, records, k=k_star, adaptive=False, fallback=False)
+    res = session.paired(dec, model, records, session.Sampling.from_config(cfg), eos)
+    spec, base = res.stats, res.baseline_tokens_per_s
     return {"k": k_star, "tokens_per_s": spec.tokens_per_s,
-            "baseline_tokens_per_s": base.tokens_per_s,
-            "speedup": spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
+            "baseline_tokens_per_s": base, "speedup": res.speedup,
             "tau": spec.tau, "acceptance_rate": spec.acceptance_rate,
             "tokens": spec.tokens_generated, "prompts": len(records),
             "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}
@@ -148,21 +136,18 @@ def decode_grid(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dic
         The rows with ``tokens_per_s``, ``tau``, ``acceptance_rate`` and ``speedup`` added,
         ``[before, after]`` plain tokens/s, and each run's ``(DecodeStats, proposer)``.
     """
-    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
-    plain.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
-    before = decode_set(plain, records, cfg, eos)[1].tokens_per_s
+    sampling = session.Sampling.from_config(cfg)
+    plain = session.plain_decoder(model, records)
+    before = session.decode_set(plain, records, sampling, eos)[1].tokens_per_s
     grid, runs_out = [], []
     for row, overrides, k in runs:
-        proposer, _ = build_proposer(OmegaConf.merge(cfg, overrides), loaded,
-                                     int(model.config.vocab_size), pkg)
-        dec = SpeculativeDecoder(Target(model, proposer.layer_ids), proposer, k=k,
-                                 adaptive=False, fallback=False)
-        dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
-        st = decode_set(dec, records, cfg, eos)[1]
+        proposer = proposer_for(cfg, overrides, loaded, pkg)
+        dec = session.decoder(model, proposer, records, k=k, adaptive=False, fallback=False)
+        st = session.decode_set(dec, records, sampling, eos)[1]
         grid.append({**row, "tokens_per_s": st.tokens_per_s, "tau": st.tau,
                      "acceptance_rate": st.acceptance_rate})
         runs_out.append((st, proposer))
-    after = decode_set(plain, records, cfg, eos)[1].tokens_per_s
+    after = session.decode_set(plain, records, sampling, eos)[1].tokens_per_s
     base = (before + after) / 2
     for g in grid:
         g["speedup"] = g["tokens_per_s"] / base if base else None
@@ -173,7 +158,7 @@ def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[di
                  cfg: DictConfig, eos: Any) -> dict[str, Any] | None:
     """Decode with each tree shape of :func:`tree_shapes` (:func:`decode_grid`); the fastest
     shape and the grid."""
-    shapes = tree_shapes(pkg.kind, cfg, pkg.head_config)
+    shapes = tree_shapes(pkg.family, cfg, pkg.head_config)
     if not shapes:
         return None
     grid, before_after, _ = decode_grid(
@@ -202,16 +187,18 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     """
     from dataclasses import replace
 
-    from eval.decode import VOCAB_FAMILIES, resolve_defaults
     from heads.vocab import TOKEN_FREQUENCY
 
     vocab = int(model.config.vocab_size)
     sizes = sorted({int(n) for n in cfg.draft_vocab_sizes if int(n) < vocab})
-    if (pkg.kind not in VOCAB_FAMILIES or not sizes or getattr(pkg.module, "reduced", False)
+    if (not pkg.family.draft_vocab or not sizes or getattr(pkg.module, "reduced", False)
             or not (pkg.path / TOKEN_FREQUENCY).is_file()):
         return None
     base_cfg = OmegaConf.merge(cfg, {"k": None, "draft_vocab": "full"})
-    shape_cfg, k, _ = resolve_defaults(base_cfg, replace(pkg, speculation=rec))
+    plan = settle(base_cfg, replace(pkg, speculation=rec))
+    k = plan.k
+    shape_cfg = OmegaConf.merge(cfg, {"tree": "tree" if plan.tree else "chain",
+                                      "tree_size": plan.tree_size})
     if k == 0:  # plain decoding is the default: measure the best tree (or chain K = 1) instead
         tree = rec.get("tree") or {}
         k = int(tree.get("depth") or 1)
@@ -237,42 +224,35 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     """Measure ``cfg.draft`` and (``write=true``) store the record as its ``speculation.json``.
 
     Args:
-        cfg: ``conf/decode.yaml`` keys plus :data:`MEASURE_DEFAULTS`.
+        cfg: the ``conf/eval/measure.yaml`` keys (``decode.yaml``'s plus the measuring ones).
         loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
 
     Returns:
         The ``speculation.json`` dict (see :func:`eval.kstar.measure_speculation`) with
         ``measured_speedup``, ``draft_kind``, ``prompts`` and ``command`` added.
     """
-    from data.target import load_target
-    from heads.package import load_package, update_package_json
+    from heads.package import update_package_json
 
     _validate(cfg)
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
-    dtype = getattr(torch, cfg.dtype)
-    if loaded is None:
-        loaded = load_target(cfg.target_path or cfg.target or None, dtype=dtype)
-    model = loaded.model.to(device=cfg.device, dtype=dtype).eval()
-    records = prompt_records(cfg.prompts, loaded.tokenizer, cfg.limit)
-    if not records:
-        raise ValueError(f"no prompts loaded from prompts={cfg.prompts!r} (limit={cfg.limit})")
-    pkg = load_package(cfg.draft, target=loaded)
-    chain_cfg = OmegaConf.merge(cfg, {"tree": "chain"})
-    proposer, _ = build_proposer(chain_cfg, loaded, int(model.config.vocab_size), pkg)
+    loaded = session.open_target(cfg, loaded)
+    model = loaded.model
+    records = session.prompt_records(cfg.prompts, loaded.tokenizer, cfg.limit)
+    pkg = load_draft(cfg.draft, loaded)
+    proposer = proposer_for(cfg, {"tree": "chain"}, loaded, pkg)
     k_max = int(cfg.k_measure)
-    if pkg.kind == "medusa":  # one position per head
-        k_max = min(k_max, int(pkg.head_config.num_heads))
+    longest = pkg.family.max_draft_length(pkg.head_config)  # Medusa: one position per head
+    if longest is not None:
+        k_max = min(k_max, longest)
     target = Target(model, proposer.layer_ids)
     rec = measure_speculation(target, proposer, [r["prompt_ids"] for r in records], k_max=k_max,
                               max_new_tokens=int(cfg.max_new_tokens),
                               temperature=float(cfg.temperature), repeats=int(cfg.repeats),
                               seed=int(cfg.seed),
                               tree_nodes=sorted({sh["total_tokens"] for sh in
-                                                 tree_shapes(pkg.kind, cfg, pkg.head_config)}),
+                                                 tree_shapes(pkg.family, cfg, pkg.head_config)}),
                               min_reached=int(cfg.min_reached))
-    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = session.eos_ids(model)
     if cfg.rerun:
         rec["measured_speedup"] = rerun_at_kstar(model, proposer, records, cfg, rec["k_star"], eos)
     tree = measure_tree(model, loaded, pkg, records, cfg, eos)
@@ -333,30 +313,17 @@ def print_record(rec: dict[str, Any]) -> None:
         console.print(grid)
 
 
-def _register_config() -> str:
-    from hydra.core.config_store import ConfigStore
-
-    node = OmegaConf.merge(OmegaConf.load(CONF_FILE), MEASURE_DEFAULTS)
-    ConfigStore.instance().store(name=CONFIG_NAME, node=node)
-    return CONFIG_NAME
-
-
 def run_overrides(overrides: list[str], loaded: Any = None) -> dict[str, Any]:
     """Run with Hydra override strings in-process (tests, benchmarks)."""
-    from hydra import compose, initialize
-
-    name = _register_config()
-    with initialize(config_path=None, version_base="1.3"):
-        cfg = compose(config_name=name, overrides=list(overrides))
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra.compose(config_name="measure", overrides=list(overrides))
     return run(cfg, loaded)
 
 
-def _main(cfg: DictConfig) -> None:
+@hydra.main(config_path="../conf/eval", config_name="measure", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: measure, write speculation.json, then print K* and the tables."""
     print_record(run(cfg))
-
-
-def main() -> None:
-    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ Methods (``settings["method"]``):
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from typing_extensions import Self
 
 PEER_METHODS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
@@ -174,68 +173,34 @@ def run_peer_on(model: PreTrainedModel, prompts: Sequence[Mapping], method: str,
     return {"summary": summary, "samples": samples}
 
 
-def load_assistant(draft: str | Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    """Load a draft package of kind ``lm`` as a transformers model (it is a full HF dir).
+def load_assistant(draft: str | Path, loaded: Any, dtype: torch.dtype,
+                   device: torch.device) -> PreTrainedModel:
+    """A draft package (or export) whose module is a whole transformers causal LM, verified
+    against its manifest and the target ``loaded``, as transformers' ``assistant_model``.
 
     Raises:
-        ValueError: the package is not a draft LM (Medusa/EAGLE heads cannot assist generate).
+        ValueError: the draft's family cannot assist ``generate`` (Medusa / EAGLE heads).
     """
-    d = Path(draft)
-    meta = d / "draftsmith.json"
-    if not meta.is_file():
-        raise ValueError(f"{d} is not a draft package (no draftsmith.json): pass draft=DIR of a "
-                         "package written by training")
-    kind = json.loads(meta.read_text()).get("draft_kind")
-    if kind != "lm":
-        raise ValueError(f"transformers assisted generation needs a draft LM package, {d} is "
-                         f"draft_kind={kind!r}: use method=spec for medusa/eagle drafts")
-    return AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
+    from eval.draft import load_draft
 
-
-def _prompts_for(settings: Mapping, tokenizer: Any) -> list[dict]:
-    """The decoder's own prompts (same loader, same chat template), as token ids.
-
-    Uses ``eval.decode.prompt_records(prompts, tokenizer, limit)`` when the decoder offers it;
-    otherwise reads a FastChat ``question.jsonl`` (first turn, ``category``) itself and applies
-    the tokenizer's chat template with a generation prompt.
-    """
-    try:
-        from eval import decode
-
-        loader = getattr(decode, "prompt_records", None)
-    except ImportError:
-        loader = None
-    if loader is not None:
-        return loader(settings.get("prompts"), tokenizer, settings.get("limit"))
-    path = Path(str(settings.get("prompts")))
-    if not path.is_file():
-        raise ValueError(f"prompts={settings.get('prompts')!r} is not a file: pass a FastChat "
-                         "question.jsonl path (question_id, category, turns)")
-    records = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        q = json.loads(line)
-        msgs = [{"role": "user", "content": q["turns"][0]}]
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-        records.append({"id": q.get("question_id", len(records)), "category": q.get("category"),
-                        "prompt_ids": list(ids)})
-    limit = settings.get("limit")
-    return records[: int(limit)] if limit else records
+    pkg = load_draft(draft, loaded)
+    if not pkg.family.hf_model:
+        raise ValueError(f"transformers assisted generation needs a draft LM package, {draft} is "
+                         f"draft_kind={pkg.kind!r}: use method=spec for medusa/eagle drafts")
+    return pkg.module.to(device=device, dtype=dtype).eval()
 
 
 def run_peer(settings: Mapping[str, Any]) -> dict:
     """Load the target (and the draft LM) named by sweep settings and run the peer."""
     from data.target import load_target
+    from eval.session import prompt_records
 
     dtype = getattr(torch, settings.get("dtype") or "float32")
     device = torch.device(settings.get("device") or "cpu")
     target = load_target(settings.get("target"), dtype=dtype)
     model = target.model.to(device).eval()
-    prompts = _prompts_for(settings, target.tokenizer)
-    assistant = (load_assistant(settings["draft"], dtype, device)
+    prompts = prompt_records(settings.get("prompts"), target.tokenizer, settings.get("limit"))
+    assistant = (load_assistant(settings["draft"], target, dtype, device)
                  if settings["method"] == "hf_assisted" else None)
     out = run_peer_on(model, prompts, settings["method"],
                       temperature=float(settings.get("temperature") or 0.0),

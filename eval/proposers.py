@@ -23,6 +23,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,26 +41,30 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every token is the argmax, a point mass that needs no distribution."""
+        return self.temperature == 0
+
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         return warp(logits, self.temperature, self.top_k, self.top_p)
 
-    def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
-        """One token from ``probs (V,)``: argmax when greedy, else a sample."""
-        if self.temperature == 0:
-            return int(probs.argmax())
-        return int(torch.multinomial(probs, 1, generator=generator))
+    def token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from raw ``logits (V,)``: the argmax when greedy, else a sample from the
+        warped distribution (``sample_with_q`` when a draft needs that distribution too)."""
+        if self.greedy:
+            return int(logits.argmax())
+        return self.sample_with_q(logits, generator)[0]
 
-    def sample(self, logits: torch.Tensor,
-               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-        """One token from raw ``logits (V,)`` and the distribution it was drawn from.
-
-        Greedy: the argmax and ``None`` (a point mass; no one-hot is built). Otherwise a sample
-        from the warped distribution, which is returned as the draft's ``q``.
-        """
-        if self.temperature == 0:
-            return int(logits.argmax()), None
+    def sample_with_q(self, logits: torch.Tensor,
+                      generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+        """A token sampled from the warped distribution of raw ``logits (V,)``, and that
+        distribution (a draft's ``q``). Not for greedy decoding: a greedy draft is a point mass,
+        which the verifier takes without a one-hot (``Proposal.q`` None), so none is built."""
+        if self.greedy:
+            raise ValueError("greedy decoding draws no distribution; use Sampling.token")
         q = self.warp(logits)
-        return self.draw(q, generator), q
+        return int(torch.multinomial(q, 1, generator=generator)), q
 
 
 @dataclass
@@ -203,11 +208,13 @@ class Proposer:
         kind: short name used in reports.
         lossless: whether the decoder's output distribution equals the target's with this proposer.
         layer_ids: target hidden-state layers the proposer needs (besides the final-norm output).
+        tree: whether it drafts trees (several candidates per depth) rather than chains.
     """
 
     kind = "plain"
     lossless = True
     layer_ids: tuple[int, ...] = ()
+    tree = False
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         """Start a request (see module docstring)."""
@@ -289,6 +296,14 @@ class DraftVocabMixin:
     """For drafters whose ids may differ from the target's: ``d2t`` maps drafter id -> target id
     (a draft vocabulary: sorted target ids; None = the drafter uses target ids). Drafts go back
     through :meth:`_to_target`, sampled ``q`` rows through :meth:`_scatter_q` (zero outside)."""
+
+    @classmethod
+    def for_draft(cls, module: nn.Module, head_config: Any, vocab_size: int, settings: Any,
+                  vocab_ids: torch.Tensor | None) -> Proposer:
+        """The proposer drafting with ``module`` as ``settings`` (``eval.draft.DraftSettings``)
+        say: a chain, or a dynamic tree of ``tree_size`` nodes from the top ``tree_topk``."""
+        return cls(module, vocab_size, tree=settings.tree, topk=settings.tree_topk,
+                   total_tokens=settings.tree_size, vocab_ids=vocab_ids)
 
     d2t: torch.Tensor | None = None
     vocab_size: int
@@ -393,15 +408,17 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            x, q_i = ctx.sampling.sample(logits, ctx.generator)  # q_i None when greedy
+            if ctx.sampling.greedy:  # point masses: no q
+                x = ctx.sampling.token(logits, ctx.generator)
+            else:
+                x, q_i = ctx.sampling.sample_with_q(logits, ctx.generator)
+                qs.append(self._scatter_q(q_i))
             x = int(self._to_target(torch.tensor(x, device=self.device)))
             drafts.append(x)
-            if q_i is not None:
-                qs.append(self._scatter_q(q_i))
             if i < k - 1:
                 logits = self._step([x])
         self._fed_drafts = k - 1
-        return Proposal.chain(drafts, torch.stack(qs) if qs else None)
+        return Proposal.chain(drafts, None if ctx.sampling.greedy else torch.stack(qs))
 
     def _propose_tree(self, root_logits: torch.Tensor, depth: int) -> Proposal:
         """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the
@@ -461,12 +478,22 @@ class MedusaProposer(Proposer):
 
     kind = "medusa"
 
+    @classmethod
+    def for_draft(cls, heads: nn.Module, head_config: Any, vocab_size: int, settings: Any,
+                  vocab_ids: torch.Tensor | None = None) -> MedusaProposer:
+        """Medusa heads drafting the static tree of ``settings.medusa_branching``, or a chain
+        (one candidate per head) when ``settings.tree`` is off."""
+        branching = (settings.medusa_branching if settings.tree
+                     else [1] * int(head_config.num_heads))
+        return cls(heads, vocab_size, medusa_choices(list(branching)))
+
     def __init__(self, heads: nn.Module, vocab_size: int,
                  choices: Sequence[tuple[int, ...]] | None = None) -> None:
         self.heads = heads
         self.vocab_size = vocab_size
         choices = list(choices) if choices is not None else medusa_choices((4, 2, 2, 1))
         self.choices = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+        self.tree = len(self.choices) > max(len(c) for c in self.choices)  # not one path
         missing = [c for c in self.choices if len(c) > 1 and c[:-1] not in set(self.choices)]
         if missing:
             raise ValueError(f"medusa choices {missing[:3]} lack their parent paths; every prefix "

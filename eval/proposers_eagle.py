@@ -140,8 +140,11 @@ class EagleProposer(DraftVocabMixin, Proposer):
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            x_d, q_d = ctx.sampling.sample(self._logits(last)[0, -1], ctx.generator)  # (Vd,) q
-            if q_d is not None:  # None when greedy: point masses need no q
+            logits = self._logits(last)[0, -1]  # (Vd,)
+            if ctx.sampling.greedy:  # point masses: no q
+                x_d = ctx.sampling.token(logits, ctx.generator)
+            else:
+                x_d, q_d = ctx.sampling.sample_with_q(logits, ctx.generator)
                 qs.append(self._scatter_q(q_d))
             x = int(self._to_target(torch.tensor(x_d, device=self.device)))
             drafts.append(x)
@@ -149,7 +152,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
                 ids = torch.tensor([[x]], dtype=torch.long, device=self.device)
                 pos = torch.tensor([[self.n_true + i]], device=self.device)
                 last = self.head(last, ids, past_key_values=self.cache, position_ids=pos)
-        return Proposal.chain(drafts, torch.stack(qs) if qs else None)
+        return Proposal.chain(drafts, None if ctx.sampling.greedy else torch.stack(qs))
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
         """EAGLE-2 (:class:`~eval.proposers.DynamicTree`): an expanded node is fed as (its parent's head

@@ -19,9 +19,9 @@ job (written by ``eval/sweep.py`` with a ``job`` block, or straight by ``eval/de
   served conditional ``alpha`` of jobs at the same temperature (at T = 0: validation's top-1
   agreement, which is the greedy acceptance probability); ``gap_flag`` is set when
   ``max_i |alpha_hat_i - alpha_i| > gap_threshold``.
-- predicted speedup: ``E_K * t_AR / (K * t_draft + t_verify(K))`` with
-  ``E_K = 1 + sum_{i<=K} prod_{j<=i} alpha_j``; costs from ``speculation.json`` when it has
-  them, otherwise from the jobs' own timings.
+- predicted speedup (chain groups): the cost model of :mod:`eval.cost` on the alpha and costs
+  of the draft package's ``speculation.json``, i.e. the expected speedups ``eval/measure.py``
+  printed; only for groups at the temperature it was measured at.
 """
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval import plots
+from eval.cost import expected_speedups, parse_costs
 
 CSV_COLUMNS = [
     "job", "label", "method", "draft", "draft_kind", "k", "tree_size", "schedule", "temperature",
     "prompts", "limit", "max_new_tokens", "dtype", "device", "n_samples", "tokens_generated",
     "target_forwards", "tau", "acceptance_rate", "tokens_per_s", "speedup", "speedup_vs_plain",
-    "speedup_vs_hf_generate", "k_star", "alpha", "trained_alpha_hat", "trained_temperature", "gap_max", "gap_position",
-    "gap_flag", "lossless", "file",
+    "speedup_vs_hf_generate", "k_star", "alpha", "trained_alpha_hat", "trained_temperature",
+    "gap_max", "gap_position", "gap_flag", "lossless", "file",
 ]
 # Settings that must match for two jobs to be the same experiment apart from K.
 GROUP_KEYS = ("method", "draft", "temperature", "prompts", "limit", "max_new_tokens", "dtype",
@@ -143,64 +144,18 @@ def _setting(job: dict, key: str):
     return job["summary"].get(key)
 
 
-def expected_tokens(alpha: Sequence[float], k: int) -> float:
-    """E_K = 1 + sum_{i=1..K} prod_{j<=i} alpha_j for conditional per-position alpha."""
-    total, prod = 1.0, 1.0
-    for i in range(min(k, len(alpha))):
-        prod *= float(alpha[i])
-        total += prod
-    return total
-
-
-def parse_costs(costs: Mapping) -> tuple[float, float, dict[int, float]] | None:
-    """Read (t_AR, t_draft per token, {K: t_verify}) from a ``costs`` mapping.
-
-    Accepts ``t_ar``/``t_target``, ``t_draft`` and ``t_verify`` as a number, a list indexed
-    by K (entry 0 = K 0) or a mapping from K to seconds. Returns ``None`` when incomplete.
-    """
-    t_ar = costs.get("t_ar", costs.get("t_AR", costs.get("t_target")))
-    t_draft = costs.get("t_draft")
-    t_ver = costs.get("t_verify")
-    if t_ar is None or t_draft is None or t_ver is None:
-        return None
-    if isinstance(t_ver, Mapping):
-        tv = {int(k): float(v) for k, v in t_ver.items()}
-    elif isinstance(t_ver, Sequence):
-        tv = {i: float(v) for i, v in enumerate(t_ver) if v is not None}
-    else:
-        tv = {k: float(t_ver) for k in range(1, 65)}
-    return float(t_ar), float(t_draft), tv
-
-
-def predicted_speedup(alpha: Sequence[float], t_ar: float, t_draft: float,
-                      t_verify: Mapping[int, float], ks: Sequence[int]) -> tuple[list[int], list[float]]:
-    """E_K * t_AR / (K * t_draft + t_verify(K)) for each K with a known t_verify."""
-    out_k, out_s = [], []
-    for k in ks:
-        if k in t_verify and k * t_draft + t_verify[k] > 0:
-            out_k.append(k)
-            out_s.append(expected_tokens(alpha, k) * t_ar / (k * t_draft + t_verify[k]))
-    return out_k, out_s
-
-
-def _costs_from_jobs(group: list[dict]) -> tuple[float, float, dict[int, float]] | None:
-    """Costs measured by the jobs themselves: t_AR from the plain rate their speedup implies,
-    t_draft = draft time over drafted positions (``drafted``, else forwards * K),
-    t_verify(K) = verify time per target forward."""
-    t_ar, t_draft, t_ver = [], [], {}
-    for row in group:
-        s, k = row["_summary"], row["k"]
-        fw = s.get("target_forwards")
-        if not k or not fw or s.get("verify_time_s") is None or s.get("draft_time_s") is None:
-            continue
-        if s.get("speedup") and s.get("tokens_per_s"):
-            t_ar.append(s["speedup"] / s["tokens_per_s"])
-        drafted = s.get("drafted") or fw * k  # drafted positions, when the decoder counts them
-        t_draft.append(s["draft_time_s"] / drafted)
-        t_ver[int(k)] = s["verify_time_s"] / fw
-    if not t_ar or not t_ver:
-        return None
-    return sorted(t_ar)[len(t_ar) // 2], sorted(t_draft)[len(t_draft) // 2], t_ver
+def predicted_speedup(speculation: Mapping | None, ks: Sequence[int],
+                      temperature: float | None = None) -> dict[int, float]:
+    """Expected speedup per K of ``ks`` from a ``speculation.json``'s ``alpha`` and ``costs`` (what
+    ``eval/measure.py`` printed); empty without them or when it measured another temperature."""
+    spec = speculation or {}
+    costs, alpha = parse_costs(spec.get("costs") or {}), spec.get("alpha")
+    measured_t = (spec.get("measured") or {}).get("temperature")
+    other_t = None not in (temperature, measured_t) and not math.isclose(
+        float(temperature), float(measured_t), abs_tol=1e-6)
+    if costs is None or not alpha or other_t:
+        return {}
+    return expected_speedups(alpha, costs, ks)
 
 
 def category_tau(samples: Sequence[Mapping]) -> dict[str, dict]:
@@ -298,6 +253,11 @@ def _speedup_vs_plain(rows: list[dict]) -> None:
                       if p is not None and r["tokens_per_s"] is not None else None)
 
 
+def _is_tree(row: dict) -> bool:
+    """Whether a job drafted a tree (its per-depth acceptance is not a chain's alpha)."""
+    return bool(row["_summary"].get("tree"))
+
+
 def _trained_vs_served(rows: list[dict], gap_threshold: float) -> None:
     infos: dict[str, DraftInfo] = {}
     for r in rows:
@@ -306,7 +266,7 @@ def _trained_vs_served(rows: list[dict], gap_threshold: float) -> None:
         d = r["draft"]
         if not d or d in ("none", "lookup", "prompt_lookup"):
             continue
-        if "tree" in str(r.get("draft_kind") or "") or r.get("draft_kind") == "medusa":
+        if _is_tree(r):
             continue  # a tree's per-depth acceptance counts several candidates: not comparable
         info = infos.setdefault(d, read_draft_info(d))
         val = info.validation
@@ -388,12 +348,13 @@ def write_markdown(rows, cats, errors, plot_files, gap_threshold, path: Path) ->
     if ks:
         lines += ["", "## Best K (K*) per checkpoint and temperature", ""]
         lines += _md_table(["method", "checkpoint", "T", "K*", "speedup", "tokens/s"],
-                           [[r["method"], draft_name(r["draft"]), r["temperature"], r["k"], r["speedup"],
-                             r["tokens_per_s"]] for r in ks])
+                           [[r["method"], draft_name(r["draft"]), r["temperature"], r["k"],
+                             r["speedup"], r["tokens_per_s"]] for r in ks])
     tvs = [r for r in rows if r["trained_alpha_hat"] is not None]
     lines += ["", f"## Trained vs served (gap threshold {gap_threshold})", ""]
     if tvs:
-        lines += _md_table(["job", "T", "trained alpha_hat", "served alpha", "max gap", "at", "flag"],
+        lines += _md_table(["job", "T", "trained alpha_hat", "served alpha", "max gap", "at",
+                            "flag"],
                            [[r["label"], r["temperature"], r["trained_alpha_hat"], r["alpha"],
                              r["gap_max"], r["gap_position"],
                              "**GAP**" if r["gap_flag"] else "ok"] for r in tvs])
@@ -445,18 +406,12 @@ def make_plots(rows: list[dict], cats: list[dict], out_dir: Path) -> dict[str, P
         if not pts:
             continue
         best = next((r["k"] for r in group if r["k_star"]), None)
-        info = read_draft_info(longest["draft"])
-        costs = None
-        if info.speculation and isinstance(info.speculation.get("costs"), Mapping):
-            costs = parse_costs(info.speculation["costs"])
-        costs = costs or _costs_from_jobs(group)
-        pk, pv = [], []
-        if costs is not None:
-            alpha = longest["alpha"] or (info.speculation or {}).get("alpha") or []
-            k_max = max(int(r["k"]) for r in group)
-            pk, pv = predicted_speedup(alpha, *costs, range(1, k_max + 1))
+        pred = {} if _is_tree(longest) else predicted_speedup(
+            read_draft_info(longest["draft"]).speculation,
+            range(1, max(int(r["k"]) for r in group) + 1), longest["temperature"])
         series.append(plots.SpeedupSeries(f"{longest['method']} {base}", [int(r["k"]) for r in pts],
-                                          [float(r["speedup"]) for r in pts], best, pk, pv))
+                                          [float(r["speedup"]) for r in pts], best,
+                                          list(pred), list(pred.values())))
     if (p := plots.plot_acceptance(curves, out_dir / "acceptance.png")) is not None:
         files["acceptance"] = p
     if (p := plots.plot_speedup_vs_k(series, out_dir / "speedup_vs_k.png")) is not None:
@@ -475,7 +430,8 @@ def make_plots(rows: list[dict], cats: list[dict], out_dir: Path) -> dict[str, P
     return files
 
 
-def build_report(sweep_dir: str | Path, gap_threshold: float = 0.1, make_figures: bool = True) -> Report:
+def build_report(sweep_dir: str | Path, gap_threshold: float = 0.1,
+                 make_figures: bool = True) -> Report:
     """Aggregate a sweep directory; writes report.csv, report_categories.csv, report.md, PNGs.
 
     Raises:

@@ -5,6 +5,8 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from eval.cost import Costs, best_k, expected_tokens_constant, speedup
+
 
 @dataclass
 class DecodeStats:
@@ -12,7 +14,8 @@ class DecodeStats:
 
     Attributes:
         tokens_generated: new tokens returned.
-        target_forwards: target forward passes (the prefill counts as one; it yields the first token).
+        target_forwards: target forward passes (the prefill counts as one: it yields the first
+            token).
         tau: tokens per target forward, bonus tokens included (1.0 for plain decoding).
         drafted: draft positions offered for verification (chain length or tree depth, per step).
         accepted: draft tokens accepted.
@@ -51,7 +54,7 @@ class DecodeStats:
     stop_reason: str = ""
 
     def record_step(self, depth: int, n_accepted: int) -> None:
-        """Count one verification step that drafted ``depth`` positions and accepted ``n_accepted``."""
+        """Count one verification step: ``depth`` positions drafted, ``n_accepted`` accepted."""
         if depth == 0:
             self.plain_steps += 1
             return
@@ -102,11 +105,6 @@ def _at(xs: list[int], i: int) -> int:
     return xs[i] if i < len(xs) else 0
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens per step with a constant per-position acceptance ``alpha`` and ``k`` drafts."""
-    return float(sum(alpha ** i for i in range(k + 1)))
-
-
 @dataclass
 class _Step:
     depth: int
@@ -122,7 +120,8 @@ class KController:
 
     * **Adaptive K** (chains): with ``a`` the Laplace-smoothed acceptance over the last ``window``
       speculative steps, per-token draft cost ``t_d`` and a linear fit of verify time against the
-      number of fed tokens, pick ``K = argmax E_K(a) / (K t_d + t_verify(K + 1))``.
+      number of fed tokens (``t_verify(K)`` feeds ``K + 1``), pick the K of the highest
+      :func:`eval.cost.speedup` with constant acceptance ``a``.
     * **Fallback**: once ``min_steps`` speculative steps are in the window, if their measured
       tokens per second times the plain step time is below 1 (speculation is a loss), decode
       plainly for ``probe_every`` steps, then probe with one speculative step. Each probe that
@@ -214,9 +213,7 @@ class KController:
         a = (accepted + 1) / (drafted + 2)
         t_d = sum(s.t_draft for s in self.steps) / max(drafted, 1)
         c0, c1 = self._verify_fit()
-        best_k, best = 1, -1.0
-        for k in range(1, self.k_max + 1):
-            rate = expected_tokens(a, k) / max(k * t_d + c0 + c1 * (k + 1), 1e-9)
-            if rate > best:
-                best_k, best = k, rate
-        return best_k
+        ks = range(1, self.k_max + 1)
+        # a unit plain step: the argmax does not depend on t_ar; the fit may dip below 0 early on
+        costs = Costs(1.0, t_d, {k: max(c0 + c1 * (k + 1), 1e-9) for k in ks})
+        return best_k({k: speedup(expected_tokens_constant(a, k), k, costs) for k in ks})

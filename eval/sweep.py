@@ -46,16 +46,19 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hydra
 from tqdm.auto import tqdm
 
 log = logging.getLogger("draftsmith.sweep")
 REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf" / "eval"
 
 Runner = Callable[[dict], dict]
 METHODS = ("spec", "hf_generate", "hf_assisted", "hf_prompt_lookup")
@@ -71,6 +74,28 @@ PROCESS_KEYS = ("threads", "dtype")  # settings that change process-wide state
 
 class JobFailedError(RuntimeError):
     """A job run in a child process exited with an error (its traceback is in the message)."""
+
+
+class Isolate(Enum):
+    """When a job runs in a child process (the config's ``isolate``: auto, true or false)."""
+
+    AUTO = "auto"  # when the job sets a process-level setting (PROCESS_KEYS)
+    ALWAYS = "true"
+    NEVER = "false"
+
+    @classmethod
+    def parse(cls, value: Any) -> Isolate:
+        """The member for a config value; Hydra and YAML read ``true``/``false`` as booleans.
+
+        Raises:
+            ValueError: ``value`` is not auto, true or false (the message names them).
+        """
+        text = str(value).lower() if isinstance(value, bool) else value
+        try:
+            return cls(text)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ValueError(f"isolate={value!r}: allowed values are {allowed}") from None
 
 
 def _draft_digest(draft: Path) -> str | None:
@@ -266,19 +291,15 @@ def _run_in_child(settings: dict, sweep_dir: Path, runner_spec: str,
         out_file.unlink(missing_ok=True)
 
 
-def needs_isolation(settings: Mapping[str, Any], isolate: str | bool = "auto") -> bool:
-    """Whether a job runs in a child process (``isolate``: true, false or auto)."""
-    if isinstance(isolate, str):
-        if isolate not in ("auto", "true", "false"):
-            raise ValueError(f"isolate={isolate!r}: use auto, true or false")
-        if isolate != "auto":
-            return isolate == "true"
+def needs_isolation(settings: Mapping[str, Any], isolate: Isolate = Isolate.AUTO) -> bool:
+    """Whether a job runs in a child process (see :class:`Isolate`)."""
+    if isolate is Isolate.AUTO:
         return any(settings.get(k) is not None for k in PROCESS_KEYS)
-    return bool(isolate)
+    return isolate is Isolate.ALWAYS
 
 
 def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runner,
-            isolate: str | bool = "auto", runner_spec: str = "eval.sweep:default_runner",
+            isolate: Isolate = Isolate.AUTO, runner_spec: str = "eval.sweep:default_runner",
             timeout_s: float | None = None) -> str:
     """Run one job unless it is done; record its result or its error.
 
@@ -325,7 +346,7 @@ def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runn
 
 
 def run_sweep(jobs: Iterable[Mapping[str, Any]], sweep_dir: str | Path,
-              runner: Runner = default_runner, isolate: str | bool = "auto",
+              runner: Runner = default_runner, isolate: Isolate = Isolate.AUTO,
               progress: bool = True, report: bool = True, gap_threshold: float = 0.1,
               runner_spec: str = "eval.sweep:default_runner") -> Counter:
     """Run a list of raw job settings in order (the Python twin of a Hydra multirun).
@@ -406,14 +427,16 @@ class SweepCallback(_HydraCallback):
         self._report(config)
 
 
+@hydra.main(config_path="../conf/eval", config_name="sweep", version_base="1.3")
 def task(cfg: Any) -> str:
     """One Hydra job: normalize its settings and run it (status string returned)."""
+    isolate = Isolate.parse(cfg.isolate)
     settings = normalize_settings(cfg)
     if settings is None:
         log.info("not applicable, skipped: %s", {k: cfg.get(k) for k in ("method", "draft")})
         return "not_applicable"
     spec = cfg.get("runner") or "eval.sweep:default_runner"
-    return run_job(settings, cfg.sweep_dir, _load_runner(spec), str(cfg.isolate).lower(),
+    return run_job(settings, cfg.sweep_dir, _load_runner(spec), isolate,
                    runner_spec=spec, timeout_s=cfg.get("job_timeout_s"))
 
 
@@ -437,14 +460,7 @@ def main() -> None:
     """Entry point: the child mode (``--run-job``) or the Hydra app."""
     if len(sys.argv) > 1 and sys.argv[1] == "--run-job":
         raise SystemExit(_child_main(sys.argv[1:]))
-    import hydra
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    # conf/ also holds the training groups (conf/draft/...), which would turn `draft=DIR` into a
-    # group override; registering conf/sweep.yaml alone keeps every key a plain value.
-    ConfigStore.instance().store(name="draftsmith_sweep", node=OmegaConf.load(REPO / "conf" / "sweep.yaml"))
-    hydra.main(version_base="1.3", config_path=None, config_name="draftsmith_sweep")(task)()
+    task()
 
 
 if __name__ == "__main__":

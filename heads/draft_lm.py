@@ -202,13 +202,13 @@ def apply_lora(model: LlamaForCausalLM, r: int = 8, alpha: float = 16.0,
 
 
 def distill_targets(draft: nn.Module, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
-                    attention_mask: Tensor | None = None, packed: bool = False
-                    ) -> list[DistillTarget]:
-    """Teacher-forced training pairs for the draft LM (one draft position, k=1).
+                    attention_mask: Tensor | None = None) -> list[DistillTarget]:
+    """Teacher-forced training pairs for the draft LM (one draft position, k=1), packed.
 
     Alignment: draft logits at position t (having read tokens <= t) predict token t+1 and are
     compared with the teacher ``p_t`` from ``hidden[:, t]``; counted iff token t+1 is a
-    non-padding token with ``loss_mask`` set.
+    non-padding token with ``loss_mask`` set. Only the N counted entries are returned, in
+    (b, t) order, shaped (1, N, ...) (``pack_rows``): the LM head runs on those rows only.
 
     Args:
         draft: the draft LM (or its peft wrapper).
@@ -216,18 +216,14 @@ def distill_targets(draft: nn.Module, input_ids: Tensor, hidden: Tensor, loss_ma
         hidden: (B, T, H) target final hidden states.
         loss_mask: (B, T) bool, tokens to learn to predict.
         attention_mask: (B, T) 0/1 padding mask or None.
-        packed: return only the counted entries, shaped (1, N, ...) (see ``pack_rows``); the LM
-            head then runs on those rows only.
 
     Returns:
-        ``[DistillTarget(logits (B,T,V), hidden (B,T,H), mask (B,T), labels (B,T))]``.
+        ``[DistillTarget(logits (1,N,V), teacher_hidden (1,N,H), mask (1,N) all True,
+        labels (1,N), teacher_index (1,N))]``.
     """
     mask = teacher_mask(loss_mask, attention_mask, 0)
     labels = shifted_labels(input_ids, 0)
     index = teacher_rows(*input_ids.shape, 0, input_ids.device)
-    if not packed:
-        logits = draft(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
-        return [DistillTarget(logits, hidden, mask, labels, teacher_index=index)]
     # The decoder stack on every position, the LM head on the counted rows only (a LoRA wrapper
     # forwards get_decoder / get_output_embeddings to the wrapped model, adapters included).
     states = draft.get_decoder()(input_ids=input_ids, attention_mask=attention_mask

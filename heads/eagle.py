@@ -455,12 +455,14 @@ def eagle_unrolled_forward(head: EagleHead, features: Tensor, input_ids: Tensor,
 def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
                     attention_mask: Tensor | None = None, layers: Tensor | None = None,
                     layer_ids: Sequence[int] | None = None,
-                    num_steps: int | None = None, packed: bool = False) -> list[DistillTarget]:
-    """Training pairs for every unrolled step (draft position k = s).
+                    num_steps: int | None = None) -> list[DistillTarget]:
+    """Training pairs for every unrolled step (draft position k = s), packed.
 
     Alignment: step s output at t is compared with the teacher ``p_{t+s}`` from
     ``hidden[:, t+s]`` (also its feature-regression target); counted iff token t+s+1 exists, is
-    not padding and has ``loss_mask`` set. See ``eagle_unrolled_forward`` for the inputs.
+    not padding and has ``loss_mask`` set. See ``eagle_unrolled_forward`` for the inputs. Only
+    step s's N_s counted entries are returned, in (b, t) order, shaped (1, N_s, ...)
+    (``pack_rows``): the LM head runs on those rows only.
 
     Args:
         head: the EAGLE head.
@@ -472,12 +474,11 @@ def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mas
         layer_ids: hidden-state id of each cached layer; None means ``layers`` holds exactly
             ``head.cfg.fuse_layers`` in that order.
         num_steps: unrolling depth; default ``head.cfg.ttt_steps``.
-        packed: return only the counted entries, shaped (1, N, ...) (see ``pack_rows``); the LM
-            head then runs on those rows only.
 
     Returns:
-        list over steps of ``DistillTarget(logits (B,T,V_draft), teacher_hidden (B,T,H),
-        mask (B,T), labels (B,T) target ids, draft_hidden (B,T,H))``.
+        list over steps of ``DistillTarget(logits (1,N_s,V_draft), teacher_hidden (1,N_s,H),
+        mask (1,N_s) all True, labels (1,N_s) target ids, draft_hidden (1,N_s,H),
+        teacher_index (1,N_s))``.
     """
     if head.cfg.fuse_layers is None:
         features = hidden
@@ -497,8 +498,7 @@ def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mas
         mask = teacher_mask(loss_mask, attention_mask, s)
         teacher, labels = shift_left(hidden, s, 0.0), shifted_labels(input_ids, s)
         rows = teacher_rows(*input_ids.shape, s, input_ids.device)
-        if packed:
-            o, teacher, labels, rows, mask = pack_rows(mask, o, teacher, labels, rows)
+        o, teacher, labels, rows, mask = pack_rows(mask, o, teacher, labels, rows)
         result.append(DistillTarget(head.compute_logits(o), teacher, mask, labels, draft_hidden=o,
                                     teacher_index=rows))
     return result

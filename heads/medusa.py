@@ -135,13 +135,13 @@ def build_medusa(cfg: MedusaConfig, target_model: PreTrainedModel) -> MedusaHead
 
 
 def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
-                    attention_mask: Tensor | None = None, packed: bool = False
-                    ) -> list[DistillTarget]:
-    """Training pairs for every head (draft position k = i+1 for head i).
+                    attention_mask: Tensor | None = None) -> list[DistillTarget]:
+    """Training pairs for every head (draft position k = i+1 for head i), packed.
 
     Alignment: head i's logits at t (from ``hidden[:, t]``) predict token t+2+i and are compared
     with the teacher ``p_{t+1+i}`` from ``hidden[:, t+1+i]``; counted iff token t+2+i exists, is
-    not padding and has ``loss_mask`` set. All entries keep length T (masked at the end).
+    not padding and has ``loss_mask`` set. Only head i's N_i counted entries are returned, in
+    (b, t) order, shaped (1, N_i, ...) (``pack_rows``): each head runs on those rows only.
 
     Args:
         heads: the Medusa heads.
@@ -149,22 +149,19 @@ def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_
         hidden: (B, T, H) target final hidden states (the heads' input and the teacher).
         loss_mask: (B, T) bool, tokens to learn to predict.
         attention_mask: (B, T) 0/1 padding mask or None.
-        packed: return only the counted entries, shaped (1, N, ...) (see ``pack_rows``); each
-            head then runs on those rows only.
 
     Returns:
-        list over heads of ``DistillTarget(logits (B,T,V), teacher_hidden (B,T,H), mask (B,T),
-        labels (B,T))``.
+        list over heads of ``DistillTarget(logits (1,N_i,V), teacher_hidden (1,N_i,H),
+        mask (1,N_i) all True, labels (1,N_i), teacher_index (1,N_i))``.
     """
     out = []
     for i in range(len(heads.heads)):
         shift = 1 + i
         mask = teacher_mask(loss_mask, attention_mask, shift)
-        inputs, teacher = hidden, shift_left(hidden, shift, 0.0)
         labels = shifted_labels(input_ids, shift)
         rows = teacher_rows(*input_ids.shape, shift, input_ids.device)
-        if packed:
-            inputs, teacher, labels, rows, mask = pack_rows(mask, inputs, teacher, labels, rows)
+        inputs, teacher, labels, rows, mask = pack_rows(
+            mask, hidden, shift_left(hidden, shift, 0.0), labels, rows)
         out.append(DistillTarget(heads.head_logits(inputs, i), teacher, mask, labels,
                                  teacher_index=rows))
     return out

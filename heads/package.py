@@ -19,7 +19,6 @@ another target or tokenizer.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -29,26 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from data.target import TargetMismatchError, sha256_file
+from data.target import TargetIdentity, TargetMismatchError, sha256_file
+from heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 PACKAGE_JSON = "draftsmith.json"
 MANIFEST = "manifest.json"
-WEIGHTS = "model.safetensors"
 TRAINING_CONFIG = "training_config.yaml"
-DRAFT_KINDS = ("lm", "medusa", "eagle")
 # Files with these endings hold weights: an unlisted one is refused (it could shadow the real one).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".npz", ".h5")
-# Identity fields of a target; all but ``name`` must match between a package and its target.
-IDENTITY_FIELDS = ("name", "weights_sha256", "tokenizer_sha256", "vocab_size", "hidden_size",
-                   "num_layers")
-COMPARED_FIELDS = IDENTITY_FIELDS[1:]
 
 
 class PackageIntegrityError(RuntimeError):
@@ -69,10 +61,10 @@ class DraftPackage:
     """A loaded draft package.
 
     Attributes:
-        kind: draft family, one of ``DRAFT_KINDS``.
+        kind: the draft family's name (``heads.family.FAMILIES``).
         module: the draft ``nn.Module`` (eval mode).
         head_config: the family's config dataclass.
-        identity: the target identity the draft was trained for (``TargetIdentity`` or dict).
+        identity: the ``TargetIdentity`` the draft was trained for.
         speculation: contents of ``speculation.json`` or None.
         path: the package folder.
         info: contents of ``draftsmith.json``.
@@ -85,6 +77,10 @@ class DraftPackage:
     speculation: dict | None
     path: Path
     info: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def family(self) -> DraftFamily:
+        return get_family(self.kind)
 
 
 # ----------------------------------------------------------------------------- hashing / manifest
@@ -241,40 +237,7 @@ def _plain_config(train_config: Any) -> dict | None:
 
 
 def _identity_dict(identity: Any) -> dict:
-    d = _to_dict(identity)
-    missing = [k for k in IDENTITY_FIELDS if k not in d]
-    if missing:
-        raise ValueError(f"target identity lacks fields {missing}; expected {list(IDENTITY_FIELDS)}")
-    return d
-
-
-def head_config_class(kind: str) -> type:
-    """The config dataclass of a draft family."""
-    if kind == "lm":
-        from heads.draft_lm import DraftLMConfig
-        return DraftLMConfig
-    if kind == "medusa":
-        from heads.medusa import MedusaConfig
-        return MedusaConfig
-    if kind == "eagle":
-        from heads.eagle import EagleConfig
-        return EagleConfig
-    raise ValueError(f"unknown draft kind {kind!r}; expected one of {DRAFT_KINDS}")
-
-
-def saved_state_dict(kind: str, module: nn.Module, head_config: Any) -> dict[str, torch.Tensor]:
-    """The tensors a package stores for a head: frozen parts copied from the target are left out.
-
-    EAGLE leaves out ``embed_tokens.*`` always and ``lm_head.*`` when it uses the target's LM head
-    (``draft_vocab_size`` is None); they are re-attached from the target on load.
-    """
-    state = module.state_dict()
-    if kind == "eagle":
-        cfg = _to_dict(head_config)
-        drop = ("embed_tokens.",) + (("lm_head.",) if cfg.get("draft_vocab_size") is None else ())
-        state = {k: v for k, v in state.items() if not k.startswith(drop)}
-    # safetensors refuses shared or non-contiguous storage: store independent copies
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    return TargetIdentity.from_dict(_to_dict(identity)).to_dict()
 
 
 # ----------------------------------------------------------------------------- save
@@ -285,7 +248,7 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
 
     Args:
         out_dir: the package folder to create (replaced if it exists).
-        kind: ``lm`` | ``medusa`` | ``eagle``.
+        kind: the draft family's name (``heads.family.FAMILIES``).
         module: the draft (for ``lm`` a transformers causal LM).
         head_config: the family's config dataclass (or dict).
         identity: ``TargetIdentity`` (or its dict) of the target the draft was trained for.
@@ -294,30 +257,21 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
             when missing.
         train_config: the resolved training config (dict or DictConfig) or None.
         target_config: the target's model config (``PretrainedConfig`` or dict); lets heads be
-            rebuilt without loading the target. None: taken from the first transformers
-            config found inside an EAGLE head (its decoder layer's), else not stored.
+            rebuilt without loading the target. None: the one the module holds, if any (an
+            EAGLE head's decoder-layer config).
 
     Returns:
         The package folder.
     """
-    if kind not in DRAFT_KINDS:
-        raise ValueError(f"unknown draft kind {kind!r}; expected one of {DRAFT_KINDS}")
+    family = get_family(kind)
     out = Path(out_dir)
     ident = _identity_dict(identity)
     train_cfg = _plain_config(train_config)
     tmp = fresh_tmp_dir(out)
     try:
-        if kind == "lm":
-            if hasattr(module, "merge_and_unload"):  # a LoRA-wrapped draft: store merged weights
-                module = copy.deepcopy(module).merge_and_unload()
-            module.save_pretrained(tmp, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        else:
-            save_file(saved_state_dict(kind, module, head_config), str(tmp / WEIGHTS),
-                      metadata={"format": "pt", "draft_kind": kind})
-        if target_config is None and kind == "eagle":
-            target_config = _config_inside(module)
+        family.save(module, head_config, tmp, tokenizer)
+        if target_config is None:
+            target_config = family.target_config_of(module)
         tcfg = _to_dict(target_config) if target_config is not None else None
         if tcfg is not None:  # a head's own config is cut to one layer: record the target's
             tcfg["num_hidden_layers"] = ident["num_layers"]
@@ -336,15 +290,6 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _config_inside(module: nn.Module) -> Any:
-    from transformers import PretrainedConfig
-    for sub in module.modules():
-        cfg = getattr(sub, "config", None)
-        if isinstance(cfg, PretrainedConfig):
-            return cfg
-    return None
 
 
 def _json_name(name: str) -> str:
@@ -377,13 +322,8 @@ def update_package_json(pkg_dir: str | Path, name: str, obj: dict) -> Path:
 # ----------------------------------------------------------------------------- load
 def check_target(saved: dict, actual: Any, where: str = "draft package") -> None:
     """Raise ``TargetMismatchError`` naming every differing identity field and both values."""
-    have = _identity_dict(actual)
-    diffs = [f"{k}: {where} was trained for {saved.get(k)!r}, the given target has {have.get(k)!r}"
-             for k in COMPARED_FIELDS if saved.get(k) != have.get(k)]
-    if diffs:
-        raise TargetMismatchError(
-            f"{where} does not match the target ({'; '.join(diffs)}). Fix: load the target it was "
-            "trained for, or retrain the draft on this target.")
+    TargetIdentity.from_dict(saved).check_compatible(
+        TargetIdentity.from_dict(_to_dict(actual)), where=where)
 
 
 def load_package(pkg_dir: str | Path, target: Any = None,
@@ -418,26 +358,22 @@ def load_package(pkg_dir: str | Path, target: Any = None,
             log.warning("!" * 78 + "\nLOADING A DRAFT FOR ANOTHER TARGET (allow_unverified=True): "
                         "%s\n" + "!" * 78, e)
     kind = info["draft_kind"]
-    cfg = head_config_class(kind).from_dict(info["head_config"])
-    if kind == "lm":
-        from transformers import AutoModelForCausalLM
-        module = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
-    else:
-        module = build_head(kind, cfg, info, target)
-        load_head_state(kind, module, cfg, load_file(str(root / WEIGHTS)), str(root / WEIGHTS))
+    family = get_family(kind)
+    cfg = family.config_class.from_dict(info["head_config"])
+    module = load_module(family, root, cfg, info, target)
     module.eval()
     spec_path = root / "speculation.json"
     speculation = json.loads(spec_path.read_text()) if spec_path.is_file() else None
     return DraftPackage(kind=kind, module=module, head_config=cfg,
-                        identity=_identity_obj(info["target"]), speculation=speculation,
+                        identity=TargetIdentity.from_dict(info["target"]), speculation=speculation,
                         path=root, info=info)
 
 
 def _check_info(root: Path, info: dict, manifest: dict, allow_unverified: bool) -> None:
     problems = []
-    if info.get("draft_kind") not in DRAFT_KINDS:
+    if info.get("draft_kind") not in FAMILIES:
         problems.append(f"draft_kind {info.get('draft_kind')!r} in {PACKAGE_JSON} is not one of "
-                        f"{DRAFT_KINDS}")
+                        f"{tuple(FAMILIES)}")
     version = info.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         problems.append(f"format_version {version!r} in {PACKAGE_JSON} is not supported by this "
@@ -450,61 +386,29 @@ def _check_info(root: Path, info: dict, manifest: dict, allow_unverified: bool) 
         raise PackageIntegrityError(root, problems)
 
 
-def _identity_obj(d: dict) -> Any:
-    try:
-        from data.target import TargetIdentity
-        return TargetIdentity.from_dict(d)
-    except ImportError:  # pragma: no cover
-        return dict(d)
-
-
-def _target_config(info: dict, target: Any) -> Any:
+def target_config(info: dict, target: Any) -> Any:
+    """The target's model config: the given target's, else the stored one, else None."""
     if target is not None:
         return target.model.config
     from transformers import AutoConfig, LlamaConfig
     d = info.get("target_config")
     if not d:
-        raise ValueError("this package stores no target_config: pass target=... to load it")
+        return None
     d = dict(d)
     model_type = d.pop("model_type", "llama")
     return AutoConfig.for_model(model_type, **d) if model_type != "llama" else LlamaConfig(**d)
 
 
-def build_head(kind: str, cfg: Any, info: dict, target: Any = None) -> nn.Module:
-    """An untrained head of the package's family and shapes (frozen parts from ``target``).
+def load_module(family: DraftFamily, folder: Path, cfg: Any, info: dict,
+                target: Any = None) -> nn.Module:
+    """The draft module stored in ``folder`` (a package or an export of the family's layout).
 
-    Without a target an EAGLE head is built from the stored ``target_config``; its frozen parts
-    (embedding, full-vocabulary LM head) stay unset until ``head.attach_target(model)``.
+    Without a target, heads are built from the stored ``target_config``; an EAGLE head's frozen
+    parts then stay unset until ``head.attach_target(model)``.
     """
-    ident = info["target"]
-    if kind == "medusa":
-        from heads.medusa import MedusaHeads
-        return MedusaHeads(cfg, ident["hidden_size"], ident["vocab_size"])
-    if kind == "eagle":
-        from heads.eagle import EagleHead
-        head = EagleHead(cfg, _target_config(info, target))
-        if target is not None:
-            head.attach_target(target.model)
-        else:
-            log.warning("EAGLE package loaded without its target: embedding and target LM head "
-                        "are unset; call module.attach_target(target_model) before decoding")
-        return head
-    raise ValueError(f"build_head handles medusa and eagle, not {kind!r}")
-
-
-def load_head_state(kind: str, module: nn.Module, cfg: Any, state: dict[str, torch.Tensor],
-                    source: str) -> None:
-    """Load stored tensors into a head; the only keys allowed to be absent are frozen parts."""
-    expected = set(saved_state_dict(kind, module, cfg))
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - set(module.state_dict()))
-    if missing or unexpected:
-        problem = (f"weights do not fit a {kind} head with config {_to_dict(cfg)}: missing "
-                   f"{missing[:8]}, unexpected {unexpected[:8]}")
-        raise PackageIntegrityError(source, [problem])
-    own = module.state_dict()
-    bad = [f"{k}: stored {tuple(v.shape)}, head expects {tuple(own[k].shape)}"
-           for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
-    if bad:
-        raise PackageIntegrityError(source, [f"tensor shapes do not fit the head: {bad[:8]}"])
-    module.load_state_dict(state, strict=False)
+    tcfg = target_config(info, target)
+    try:
+        return family.load(folder, cfg, info["target"], tcfg,
+                           None if target is None else target.model)
+    except HeadStateError as e:
+        raise PackageIntegrityError(folder, [str(e)]) from e

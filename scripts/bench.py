@@ -35,13 +35,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.dtype import resolve_dtype
-from eval import decode
+from eval import decode, session
+from eval.draft import DEFAULT_K, Measured, build_proposer, load_draft, resolve_k, settle
 from eval.kstar import environment
 from eval.stats import DecodeStats
 from eval.target_model import native_gqa
+from heads.family import FAMILIES, TreeKind
+from heads.vocab import FULL
 
-CONF_FILE = REPO / "conf" / "bench.yaml"
-FAMILIES = ("lm", "medusa", "eagle")
+CONF_FILE = decode.CONF_DIR / "bench.yaml"
+USELESS = "useless-"  # fallback_bound.drafts: useless-<family> = that package, proposals shifted
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -115,25 +118,25 @@ def package_k(path: str | None, k: int | None, dtype: str | None = None,
     A measured K* of 0 (plain decoding wins) would turn the draft's methods into plain decoding,
     so they run at the default K instead, and the source says so.
     """
-    k_used, source = decode.resolve_k(k, speculation_of(path), dtype, device)
+    k_used, source = resolve_k(k, speculation_of(path), dtype, device)
     if k_used == 0:
-        return decode.DEFAULT_K, "default (measured K*=0)"
+        return DEFAULT_K, "default (measured K*=0)"
     return k_used, source
 
 
-def useless_copy(lm_path: str, loaded: Any, out_dir: Path) -> str:
+def useless_copy(fam: str, lm_path: str, loaded: Any, out_dir: Path) -> str:
     """A draft LM package whose proposals are useless at the same cost: the lm package with its
     LM-head rows shifted by one token id (untied from the input embeddings, which stay as they
     were), so that it always proposes the neighbour of what it would have proposed. It measures
     the fallback bound: on such a draft, decode.py's defaults must stay close to plain decoding."""
     from heads.package import save_package
 
-    pkg = decode.load_draft(lm_path, loaded)
+    pkg = load_draft(lm_path, loaded)
     head = pkg.module.get_output_embeddings()
     head.weight = torch.nn.Parameter(head.weight.detach().roll(1, dims=0).clone())
     pkg.module.config.tie_word_embeddings = False
-    out = out_dir / "useless-lm"
-    save_package(out, "lm", pkg.module, pkg.head_config, pkg.identity)
+    out = out_dir / f"{USELESS}{fam}"
+    save_package(out, fam, pkg.module, pkg.head_config, pkg.identity)
     return str(out)
 
 
@@ -152,10 +155,10 @@ def draft_paths(cfg: DictConfig) -> dict[str, str]:
 
 
 def measured_tree(path: str, cfg: DictConfig) -> int | None:
-    """The depth of the package's measured dynamic-tree shape for this run (``speculation.json``;
-    EAGLE or draft LM), or None."""
-    depth, _, _ = decode.resolve_tree(None, None, speculation_of(path), cfg.dtype, cfg.device)
-    return depth
+    """The depth of the package's measured tree shape for this run (``speculation.json``), or
+    None."""
+    measured, _ = Measured.of(speculation_of(path), cfg.dtype, cfg.device)
+    return measured.tree.depth if measured is not None and measured.tree is not None else None
 
 
 def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
@@ -165,18 +168,24 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
     model, tok = loaded.model, loaded.tokenizer
     drafts = draft_paths(cfg)
     k_of = {fam: package_k(path, cfg.k, cfg.dtype, cfg.device) for fam, path in drafts.items()}
-    k_lm, k_src = k_of.get("lm") or package_k(None, cfg.k)
+    # the draft that can be transformers' assistant_model (a whole causal LM) runs assisted too
+    assist = next((fam for fam in drafts if FAMILIES[fam].hf_model), None)
+    k_lm, k_src = k_of.get(assist) or package_k(None, cfg.k)
     assistant = None
-    if "lm" in drafts and cfg.hf_generate:
-        pkg = decode.load_draft(drafts["lm"], loaded)
+    if assist is not None and cfg.hf_generate:
+        pkg = load_draft(drafts[assist], loaded)
         assistant = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
-    # the draft LM's measured dynamic tree (if any) runs too; assisted generation then also runs
-    # at its depth, so that each of ours has transformers' assisted generation at the same K
+    # a measured dynamic tree runs too; assisted generation then also runs at its depth, so
+    # that each of ours has transformers' assisted generation at the same K
     tree_depth_of = {fam: measured_tree(path, cfg) if cfg.k is None else None
                      for fam, path in drafts.items()}
-    lm_tree_depth = tree_depth_of.get("lm")
-    vocab_of = {fam: decode.resolve_draft_vocab(speculation_of(path), cfg.dtype, cfg.device)
-                for fam, path in drafts.items() if fam in decode.VOCAB_FAMILIES}
+    lm_tree_depth = tree_depth_of.get(assist)
+    vocab_of = {}
+    for fam, path in drafts.items():
+        measured, _ = Measured.of(speculation_of(path), cfg.dtype, cfg.device)
+        if FAMILIES[fam].draft_vocab:
+            vocab_of[fam] = (measured.draft_vocab if measured and measured.draft_vocab
+                             else FULL)
     assisted_ks = sorted({k_lm} | ({lm_tree_depth} if lm_tree_depth else set()))
     rows = []
     for t in [float(x) for x in cfg.temperatures]:
@@ -208,14 +217,17 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                 baseline=False)
         ours = {}
         for fam, path in drafts.items():
-            modes = {"lm": [("chain", "lm")] + ([("tree", "lm-tree")] if lm_tree_depth else []),
-                     "medusa": [("tree", "medusa")],
-                     "eagle": [("chain", "eagle"), ("tree", "eagle-tree")]}[fam]
+            family = FAMILIES[fam]
+            if family.tree is TreeKind.STATIC:  # its tree is how it drafts
+                modes = [("tree", fam)]
+            else:  # the chain, and the dynamic tree where it is the default or was measured
+                tree_runs = family.tree_by_default or tree_depth_of[fam]
+                modes = [("chain", fam)] + ([("tree", f"{fam}-tree")] if tree_runs else [])
             # a measured frequent-token draft vocabulary runs as the default; the tree also runs
             # over the whole vocabulary, which shows what the smaller LM head buys
             vocabs = [(None, "")]
-            if fam in vocab_of and vocab_of[fam] != decode.FULL and cfg.draft_vocab is None:
-                vocabs.append((decode.FULL, " full-vocab"))
+            if fam in vocab_of and vocab_of[fam] != FULL and cfg.draft_vocab is None:
+                vocabs.append((FULL, " full-vocab"))
             for tree, name in modes:
                 for vocab, suffix in vocabs if tree == "tree" else vocabs[:1]:
                     note(f"T={t}: ours {name}{suffix}")
@@ -226,13 +238,13 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                     else:
                         res = _ours(cfg, loaded, path, t, k_of[fam][0], tree, draft_vocab=vocab)
                         res["summary"]["k_source"] = k_of[fam][1]
-                    ours[name + suffix] = res
-            if cfg.auto_rows and fam in ("lm", "eagle"):
+                    ours[name + suffix] = (fam, res)
+            if cfg.auto_rows and family.tree is TreeKind.DYNAMIC:
                 # the decoder's defaults: K from speculation.json (else 4), adaptive K and the
                 # fallback to plain decoding when speculation is measured to be a loss
                 note(f"T={t}: ours {fam} (decode.py defaults: adaptive K + fallback)")
                 res = _ours(cfg, loaded, path, t, None, "chain", adaptive=True)
-                ours[f"{fam} adaptive+fallback"] = res
+                ours[f"{fam} adaptive+fallback"] = (fam, res)
         note(f"T={t}: plain decoding (ours) again: the drift of the machine during this block")
         rows.append(row("plain (ours)", plain, t, plain, hf))
         rows.append(row("plain (ours), again last", _ours(cfg, loaded, "none", t, 0, "auto"), t,
@@ -242,9 +254,9 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
         for name, res in peers.items():
             res["summary"]["k_source"] = k_src
             rows.append(row(name, res, t, plain, hf))
-        for name, res in ours.items():
+        for name, (fam, res) in ours.items():
             r = row(f"ours {name}", res, t, plain, hf)
-            if name in ("lm", "lm-tree", "lm-tree full-vocab"):  # the same draft LM at the same K
+            if fam == assist and "adaptive" not in name:  # the assistant's draft at the same K
                 for key, suffix in (("speedup_vs_hf_assisted", ""),
                                     ("speedup_vs_hf_assisted_gqa", " native-gqa")):
                     same_k = peers.get(f"hf_assisted K={r['k']}{suffix}")
@@ -264,40 +276,35 @@ def bench_fallback(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
     ``useless-lm`` is the lm package with its LM-head rows shifted by one token id: a draft at the
     real cost whose proposals are wrong, the case the fallback must bound.
     """
-    from eval.decoder import SpeculativeDecoder
-    from eval.proposers import PlainProposer
-    from eval.target_model import Target
-
     fb = cfg.fallback_bound
     given = draft_paths(cfg)
     model = loaded.model
-    eos = model.generation_config.eos_token_id if model.generation_config else None
-    plain = SpeculativeDecoder(Target(model), PlainProposer(), k=0)
-    dcfg = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
-                           {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
+    eos = session.eos_ids(model)
+    plain = session.plain_decoder(model, records)
+    chain = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
+                            {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
+    assistants = [f"{USELESS}{f.name}" for f in FAMILIES.values() if f.hf_model]
     out = []
     with tempfile.TemporaryDirectory(prefix="bench-useless-") as tmp:
         for name in fb.drafts:
-            fam = "lm" if name == "useless-lm" else str(name)
+            useless = str(name) in assistants
+            fam = str(name).removeprefix(USELESS) if useless else str(name)
             if fam not in FAMILIES:
-                raise ValueError(f"fallback_bound.drafts: unknown {name!r}; allowed useless-lm, "
-                                 f"{', '.join(FAMILIES)}")
+                raise ValueError(f"fallback_bound.drafts: unknown {name!r}; allowed "
+                                 f"{', '.join([*assistants, *FAMILIES])}")
             if fam not in given:
                 note(f"fallback bound: no {fam} package, skipping {name}")
                 continue
-            path = useless_copy(given[fam], loaded, Path(tmp)) if name == "useless-lm" else given[fam]
-            pkg = decode.load_draft(path, loaded)
-            proposer, _ = decode.build_proposer(OmegaConf.merge(dcfg, {"draft": path}), loaded,
-                                                int(model.config.vocab_size), pkg)
+            path = useless_copy(fam, given[fam], loaded, Path(tmp)) if useless else given[fam]
+            pkg = load_draft(path, loaded)
+            proposer = build_proposer(pkg, settle(chain, pkg, measured=False), loaded,
+                                      int(model.config.vocab_size), cfg.device, cfg.dtype)
             k_fixed, _ = package_k(path, cfg.k, cfg.dtype, cfg.device)
-            k_auto, auto_src = decode.resolve_k(None, pkg.speculation, cfg.dtype, cfg.device)
-            target = Target(model, proposer.layer_ids)
+            k_auto, auto_src = resolve_k(None, pkg.speculation, cfg.dtype, cfg.device)
             decs = {"plain": plain,
-                    "fixed": SpeculativeDecoder(target, proposer, k=k_fixed, adaptive=False,
-                                                fallback=False),
-                    "defaults": SpeculativeDecoder(target, proposer, k=k_auto)}
-            for dec in decs.values():
-                dec.generate(records[0]["prompt_ids"], 2, seed=0)  # warm-up
+                    "fixed": session.decoder(model, proposer, records, k=k_fixed, adaptive=False,
+                                             fallback=False),
+                    "defaults": session.decoder(model, proposer, records, k=k_auto)}
             for t in [float(x) for x in cfg.temperatures]:
                 note(f"T={t}: fallback bound, {name} (plain / K={k_fixed} / defaults, interleaved)")
                 tps: dict[str, list[list[float]]] = {m: [[] for _ in records] for m in decs}
@@ -445,7 +452,7 @@ def run(cfg: DictConfig) -> dict:
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
     loaded.model.to(cfg.device).eval()
-    records = decode.prompt_records(str(questions), loaded.tokenizer, int(cfg.limit))
+    records = session.prompt_records(str(questions), loaded.tokenizer, int(cfg.limit))
     forward = bench_forward_costs(cfg, loaded, records) if cfg.forward_costs.enabled else []
     decoding = bench_decoding(cfg, loaded, records)
     fallback = bench_fallback(cfg, loaded, records) if cfg.fallback_bound.enabled else []
@@ -465,18 +472,12 @@ def run(cfg: DictConfig) -> dict:
     return res
 
 
-def _main(cfg: DictConfig) -> None:
-    res = run(cfg)
+@hydra.main(config_path="../conf/eval", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: run the benchmark, then print its tables."""
+    run(cfg)
     print((repo_path(cfg.out_dir) / "results.md").read_text())
-    del res
-
-
-def _register_config() -> str:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="draftsmith_bench", node=OmegaConf.load(CONF_FILE))
-    return "draftsmith_bench"
 
 
 if __name__ == "__main__":
-    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()
+    main()

@@ -41,7 +41,7 @@ from data.dtype import matmul_rates
 from eval.kstar import environment
 from train.runtime import MALLOC_SWITCH, TUNED_MALLOC, reexec_with_tuned_malloc
 
-CONF_FILE = REPO / "conf" / "bench_train.yaml"
+CONF_FILE = REPO / "conf" / "eval" / "bench_train.yaml"
 
 
 def note(msg: str) -> None:
@@ -238,19 +238,14 @@ def run(cfg: DictConfig) -> dict:
     return res
 
 
-def _main(cfg: DictConfig) -> None:
+@hydra.main(config_path="../conf/eval", config_name="bench_train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: run every variant, then print the tables."""
     run(cfg)
     out = Path(str(cfg.out_dir))
     print((out if out.is_absolute() else REPO / out).joinpath("results.md").read_text())
 
 
-def _register_config() -> str:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="draftsmith_bench_train", node=OmegaConf.load(CONF_FILE))
-    return "draftsmith_bench_train"
-
-
 if __name__ == "__main__":
     reexec_with_tuned_malloc()
-    hydra.main(config_path=None, config_name=_register_config(), version_base="1.3")(_main)()
+    main()

@@ -1,8 +1,9 @@
-"""Export a draft package for serving engines, and read exports back.
+"""Export a draft package for serving engines.
 
     python scripts/export.py draft=outputs/eagle/package format=eagle out=exports/eagle
 
-Formats (layouts and their sources: ``scripts/export_layouts.py``):
+Formats (layouts and their sources: ``scripts/export_layouts.py``; file names and the draft
+family of each format: ``heads/exports.py``):
 
 * ``hf``          draft LM -> transformers model dir (``assistant_model`` in ``generate``).
 * ``medusa``      Medusa heads -> ``config.json`` + ``medusa_lm_head.safetensors``.
@@ -16,7 +17,7 @@ reasons, since the engines would silently compute different drafts.
 Every export holds ``manifest.json`` (sha256 and size of each file, draft family, target
 identity, head and training config) and copies of ``speculation.json`` and ``token_frequency.json``
 when the package has them.
-``import_export(dir)`` loads any export back into draftsmith's heads.
+``heads.exports.import_export(dir)`` loads any export back into draftsmith's heads.
 """
 from __future__ import annotations
 
@@ -27,34 +28,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from heads.exports import (
+    EAGLE1_LAYER_KEYS,
+    FORMATS,
+    MEDUSA_WEIGHTS,
+    WEIGHTS,
+    format_family,
+    rename_prefix,
+)
+from heads.family import DraftFamily
 from heads.package import (
     FORMAT_VERSION,
     MANIFEST,
     DraftPackage,
-    build_head,
-    check_target,
     fresh_tmp_dir,
-    head_config_class,
     load_package,
     publish_dir,
-    verify_folder,
     write_manifest,
 )
 from heads.vocab import TOKEN_FREQUENCY
-from scripts.export_layouts import (
-    FORMAT_KINDS,
-    FORMATS,
-    MEDUSA_WEIGHTS,
-    WEIGHTS,
-    WEIGHTS_FILE,
-)
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
@@ -64,9 +64,6 @@ EAGLE_ARCH = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja")
-_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-               "mlp.down_proj.weight", "post_attention_layernorm.weight")
 
 
 class ExportError(ValueError):
@@ -74,12 +71,12 @@ class ExportError(ValueError):
 
 
 # ----------------------------------------------------------------------------- helpers
-def speculative_tokens(speculation: dict | None, kind: str, head_config: Any) -> int:
+def speculative_tokens(speculation: dict | None, family: DraftFamily, head_config: Any) -> int:
     """Draft length to advertise: K* from ``speculation.json`` when measured, else a default."""
-    for key in ("k_star", "K_star", "best_k", "num_speculative_tokens"):
-        if speculation and isinstance(speculation.get(key), int):
-            return int(speculation[key])
-    return int(getattr(head_config, "num_heads", 3)) if kind == "medusa" else 3
+    k_star = (speculation or {}).get("k_star")  # written by eval/measure.py
+    if k_star is not None:
+        return int(k_star)
+    return family.default_draft_length(head_config)
 
 
 def _layer_config(target_config: dict) -> dict:
@@ -145,29 +142,9 @@ def _ours_to_eagle1(state: dict[str, torch.Tensor], hidden: int,
         out["fc.bias"] = state["fc.bias"]
     elif zero_bias:
         out["fc.bias"] = torch.zeros(hidden, dtype=w.dtype)
-    for key in _LAYER_KEYS:
+    for key in EAGLE1_LAYER_KEYS:
         out[f"layers.0.{key}"] = state[f"layer.{key}"]
     return out
-
-
-def _eagle1_to_ours(state: dict[str, torch.Tensor], hidden: int,
-                    with_bias: bool) -> dict[str, torch.Tensor]:
-    """EAGLE-1 names -> draftsmith names, for a head whose fc has a bias iff ``with_bias``."""
-    w = state["fc.weight"]  # (H, 2H) over [embedding | feature]
-    out = {"fc.weight": torch.cat([w[:, hidden:], w[:, :hidden]], dim=1).contiguous()}
-    bias = state.get("fc.bias")
-    if with_bias:
-        out["fc.bias"] = bias if bias is not None else torch.zeros(hidden, dtype=w.dtype)
-    elif bias is not None and bool(bias.any()):
-        raise ValueError("the export's fc.bias is non-zero but its head config has no fc bias "
-                         "(layout=eagle1); the export was not written by this exporter")
-    for key in _LAYER_KEYS:
-        out[f"layer.{key}"] = state[f"layers.0.{key}"]
-    return out
-
-
-def _rename(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
-    return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
 
 
 def medusa_to_reference(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -180,18 +157,6 @@ def medusa_to_reference(state: dict[str, torch.Tensor], num_layers: int) -> dict
             out[f"{parts[1]}.{num_layers}.weight"] = v
         else:  # heads.i.blocks.j.linear.{weight,bias}
             out[f"{parts[1]}.{parts[3]}.linear.{parts[-1]}"] = v
-    return out
-
-
-def medusa_from_reference(state: dict[str, torch.Tensor],
-                          num_layers: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        parts = k.split(".")
-        if parts[1] == str(num_layers):
-            out[f"heads.{parts[0]}.lm_head.weight"] = v
-        else:
-            out[f"heads.{parts[0]}.blocks.{parts[1]}.linear.{parts[-1]}"] = v
     return out
 
 
@@ -246,8 +211,8 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int,
     # vllm serves this format with its EAGLE-1 model, whose fc has no bias
     _refuse(eagle1_incompatibilities(pkg, engine="vllm"), "speculators 'eagle'")
     h = pkg.info["target"]["hidden_size"]
-    state = _rename(_rename(_ours_to_eagle1(pkg.module.state_dict(), h), "fc.", "fusion_fc."),
-                    "layers.0.", "transformer.")
+    state = rename_prefix(rename_prefix(_ours_to_eagle1(pkg.module.state_dict(), h), "fc.",
+                                        "fusion_fc."), "layers.0.", "transformer.")
     _save(state, tmp / WEIGHTS, dtype)
     import transformers
     layer_cfg = _layer_config(pkg.info["target_config"])
@@ -269,7 +234,7 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int,
                          or ["LlamaForCausalLM"]}}})
 
 
-# ----------------------------------------------------------------------------- export / import
+# ----------------------------------------------------------------------------- export
 def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = None,
                    engine: str = "vllm", num_speculative_tokens: int | None = None,
                    verifier: str | None = None, dtype: torch.dtype = torch.float32,
@@ -294,11 +259,12 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
-    if FORMAT_KINDS[fmt] != pkg.kind:
-        ok = [f for f, kind in FORMAT_KINDS.items() if kind == pkg.kind]
-        raise ValueError(f"format={fmt} exports '{FORMAT_KINDS[fmt]}' drafts, but {draft} holds a "
-                         f"'{pkg.kind}' draft; use format={' or '.join(ok)}")
-    k = num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.kind, pkg.head_config)
+    if fmt not in pkg.family.export_formats:
+        raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
+                         f"holds a '{pkg.kind}' draft; use format="
+                         f"{' or '.join(pkg.family.export_formats)}")
+    k = num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.family,
+                                                     pkg.head_config)
     verifier = verifier or pkg.info["target"]["name"]
     out = Path(out)
     tmp = fresh_tmp_dir(out)
@@ -329,43 +295,6 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     return out
 
 
-def import_export(path: str | Path, target: Any = None,
-                  allow_unverified: bool = False) -> DraftPackage:
-    """Load an export made by ``export_package`` back into draftsmith's heads (round trip).
-
-    Raises:
-        PackageIntegrityError: a file differs from the export's manifest.
-        TargetMismatchError: ``target`` is not the target the draft was trained for.
-    """
-    root = Path(path)
-    meta = verify_folder(root, allow_unverified)
-    fmt, kind = meta["export_format"], meta["draft_kind"]
-    if target is not None:
-        check_target(meta["target"], target.identity, where=f"{fmt} export")
-    cfg = head_config_class(kind).from_dict(meta["head_config"])
-    info = {"target": meta["target"], "target_config": meta.get("target_config")}
-    state = load_file(str(root / WEIGHTS_FILE[fmt])) if fmt != "hf" else {}
-    h = meta["target"]["hidden_size"]
-    if fmt == "hf":
-        from transformers import AutoModelForCausalLM
-        module = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
-    elif fmt == "medusa":
-        module = build_head(kind, cfg, info)
-        module.load_state_dict(medusa_from_reference(state, cfg.num_layers))
-    else:
-        if fmt == "speculators":
-            state = _rename(_rename(state, "fusion_fc.", "fc."), "transformer.", "layers.0.")
-        module = build_head(kind, cfg, info, target)  # layout=eagle1: the engines' structure
-        with_bias = module.fc.bias is not None
-        module.load_trainable_state_dict({k: v.float() for k, v in
-                                          _eagle1_to_ours(state, h, with_bias).items()})
-    module.float().eval()
-    spec = root / "speculation.json"
-    return DraftPackage(kind=kind, module=module, head_config=cfg,
-                        identity=meta["target"], path=root, info={**info, "export": meta},
-                        speculation=json.loads(spec.read_text()) if spec.is_file() else None)
-
-
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in a safetensors file (without loading the data)."""
     with safe_open(str(path), "pt") as f:
@@ -373,7 +302,9 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------- command line
-def _main(cfg: Any) -> Path:
+@hydra.main(config_path="../conf/eval", config_name="export", version_base="1.3")
+def main(cfg: Any) -> Path:
+    """Command line: export ``cfg.draft`` as ``cfg.format`` into ``cfg.out``."""
     target = None
     if cfg.target_path is not None or cfg.check_target:
         from data.target import load_target
@@ -382,18 +313,13 @@ def _main(cfg: Any) -> Path:
              "float16": torch.float16}.get(cfg.dtype)
     if dtype is None:
         raise ValueError(f"dtype={cfg.dtype!r}: choose float32, bfloat16 or float16")
-    out = export_package(cfg.package, cfg.format, cfg.out, target=target, engine=cfg.engine,
+    out = export_package(cfg.draft, cfg.format, cfg.out, target=target, engine=cfg.engine,
                          num_speculative_tokens=cfg.num_speculative_tokens,
                          verifier=cfg.verifier, dtype=dtype,
                          allow_unverified=cfg.allow_unverified)
-    print(f"exported {cfg.package} as format={cfg.format} to {out}")
+    print(f"exported {cfg.draft} as format={cfg.format} to {out}")
     return out
 
 
 if __name__ == "__main__":
-    import hydra
-
-    # `draft` names a config group in conf/, so `draft=DIR` reaches the config as `package=DIR`
-    sys.argv[1:] = [("package=" + a[len("draft="):]) if a.startswith("draft=") else a
-                    for a in sys.argv[1:]]
-    hydra.main(config_path="../conf", config_name="export", version_base="1.3")(_main)()
+    main()

@@ -1,7 +1,9 @@
 """What each export format must contain: file names, config keys, tensor names and shapes.
 
-This is the written specification the exporter follows and the tests check against. Key names
-and semantics were read from these sources (versions as stored in the public index):
+This is the written specification the exporter follows and the tests check against (the file
+names and the draft family of each format, which the reader needs too, are in
+``heads/exports.py``). Key names and semantics were read from these sources (versions as stored
+in the public index):
 
 * ``hf``: transformers ``LlamaForCausalLM`` (``save_pretrained``; loaded by
   ``AutoModelForCausalLM`` and used as ``assistant_model`` in ``generate``).
@@ -39,10 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FORMATS = ("hf", "eagle", "speculators", "medusa")
-FORMAT_KINDS = {"hf": "lm", "eagle": "eagle", "speculators": "eagle", "medusa": "medusa"}
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
-WEIGHTS = "model.safetensors"
+from heads.exports import MEDUSA_WEIGHTS, WEIGHTS
 
 # Config keys each format's config.json must carry.
 REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {
@@ -138,14 +137,13 @@ def medusa_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
 
 EXPECTED_TENSORS = {"hf": hf_tensors, "eagle": eagle_tensors,
                     "speculators": speculators_tensors, "medusa": medusa_tensors}
-WEIGHTS_FILE = {"hf": WEIGHTS, "eagle": WEIGHTS, "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS}
 
 
 def layout_problems(fmt: str, config: dict[str, Any], shapes: dict[str, tuple]) -> list[str]:
     """Differences between an export's config/tensors and the written layout (empty = conforms).
 
     Args:
-        fmt: one of ``FORMATS``.
+        fmt: one of ``heads.exports.FORMATS``.
         config: the export's ``config.json``.
         shapes: tensor name -> shape read from its weights file.
     """

@@ -24,10 +24,10 @@ sys.path.insert(0, str(REPO))
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.family import WEIGHTS, get_family
 from heads.package import (
     MANIFEST,
     PACKAGE_JSON,
-    WEIGHTS,
     fresh_tmp_dir,
     publish_dir,
     verify_folder,
@@ -49,7 +49,7 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
         raise ValueError(f"draft={draft} is not a draft package (no {PACKAGE_JSON})")
     verify_folder(src)
     info = json.loads((src / PACKAGE_JSON).read_text())
-    if info["draft_kind"] == "lm":
+    if get_family(info["draft_kind"]).hf_model:
         raise ValueError("release.py handles head packages (eagle, medusa); a draft LM package is "
                          "a transformers folder: save it with save_pretrained(torch_dtype=...)")
     tmp = fresh_tmp_dir(dst)

@@ -2,17 +2,45 @@
 from __future__ import annotations
 
 import os
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
+
+
+SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nbe nice<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer (vocab < 96, ids 0/1/2 = pad/bos/eos) with a chat template.
+
+    Matches `tiny_llama_config` (pad 0, bos 1, eos 2 = <|im_end|>).
+    """
+    chars = string.ascii_letters + string.digits + " \n.,!?:'-"
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(chars))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.add_special_tokens(SPECIALS)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="<|im_end|>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def tiny_llama_config(vocab: int = 96, hidden: int = 32, layers: int = 2, heads: int = 4,

@@ -9,8 +9,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-DRAFT_KINDS = ("lm", "medusa", "eagle")
-LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")
+from heads.family import FAMILIES, get_family
+from train.losses import LOSS_TERMS  # the terms DistillLoss computes, listed once
+
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 TARGET_DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_WITH = ("tensorboard", "wandb", "none")
@@ -46,7 +47,7 @@ def _one_of(cfg: DictConfig, key: str, allowed: tuple[str, ...]) -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Check the values that do not need the target loaded. Raises ConfigError."""
-    _one_of(cfg, "draft.kind", DRAFT_KINDS)
+    _one_of(cfg, "draft.kind", tuple(FAMILIES))
     _positive(cfg, "draft.num_positions")
     weights = _get(cfg, "draft.position_weights")
     if weights is not None and (len(weights) < cfg.draft.num_positions
@@ -74,31 +75,17 @@ def validate_config(cfg: DictConfig) -> None:
     if any(w < 0 for w in loss_weights.values()) or sum(loss_weights.values()) <= 0:
         raise ConfigError(f"loss.weights={dict(loss_weights)} must be non-negative with a positive sum")
     _positive(cfg, "loss.temperature", float)
-    if cfg.draft.kind == "eagle":
-        vocab = OmegaConf.select(cfg, "draft.config.draft_vocab_size")
-        if vocab is not None and (not isinstance(vocab, int) or vocab <= 0):
-            raise ConfigError(f"draft.config.draft_vocab_size={vocab!r} must be null or a positive integer")
+    try:
+        get_family(cfg.draft.kind).validate(OmegaConf.to_container(cfg.draft, resolve=True))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def validate_against_target(cfg: DictConfig, vocab_size: int, hidden_size: int,
                             num_layers: int) -> None:
     """Check the values that depend on the loaded target. Raises ConfigError."""
-    if cfg.draft.kind == "eagle":
-        vocab = OmegaConf.select(cfg, "draft.config.draft_vocab_size")
-        if vocab is not None and vocab > vocab_size:
-            raise ConfigError(f"draft.config.draft_vocab_size={vocab} exceeds the target's vocabulary "
-                              f"({vocab_size}); use a value <= {vocab_size} or null")
-        layers = OmegaConf.select(cfg, "draft.config.fuse_layers") or []
-        bad = [i for i in layers if not 0 <= i <= num_layers]
-        if bad:
-            raise ConfigError(f"draft.config.fuse_layers has ids {bad} outside the target's 0..{num_layers}")
-    if cfg.draft.kind == "lm":
-        hidden = OmegaConf.select(cfg, "draft.config.hidden_size")
-        init = OmegaConf.select(cfg, "draft.config.init")
-        if init == "target" and hidden is not None and hidden != hidden_size:
-            raise ConfigError(
-                f"draft.config.hidden_size={hidden} does not fit the target (hidden {hidden_size}) with "
-                "draft.config.init=target; use hidden_size=null (the target's) or init=random")
-        n = OmegaConf.select(cfg, "draft.config.num_layers")
-        if init == "target" and n is not None and n > num_layers:
-            raise ConfigError(f"draft.config.num_layers={n} exceeds the target's {num_layers} layers")
+    try:
+        get_family(cfg.draft.kind).validate_against_target(
+            OmegaConf.to_container(cfg.draft, resolve=True), vocab_size, hidden_size, num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.features import teacher_logits
 from train import checkpoint as ckpt
 from train.config import (
     MIXED_PRECISION,
@@ -36,8 +37,7 @@ from train.config import (
     validate_against_target,
     validate_config,
 )
-from train.families import build_family
-from train.losses import shared_teacher_log_probs
+from train.losses import feature_regression, shared_teacher_log_probs
 from train.runtime import (
     StepLog,
     cosine_with_warmup,
@@ -45,6 +45,7 @@ from train.runtime import (
     make_epoch_loader,
     reexec_with_tuned_malloc,
 )
+from train.trainable import build_trainable
 
 log = logging.getLogger("draftsmith.distill")
 # what token_frequency.json counts (heads/vocab.py)
@@ -128,13 +129,13 @@ class DistillRecipe:
 
         # 3. draft, frozen teacher LM head, loss
         torch.manual_seed(cfg.seed)
-        self.family = build_family(cfg, self.target, self.train_set)
+        self.draft = build_trainable(cfg, self.target, self.train_set)
         self.lm_head = self.target.model.get_output_embeddings().weight.detach().to(acc.device)
         self.loss_fn = hydra.utils.instantiate(cfg.loss)
 
         # 4. optimizer and schedule (the scheduler is stepped once per optimizer step by hand, so
         #    the schedule is the same whatever the number of processes)
-        params = [p for p in self.family.module.parameters() if p.requires_grad]
+        params = [p for p in self.draft.module.parameters() if p.requires_grad]
         self.optimizer = hydra.utils.instantiate(cfg.optim.optimizer)(params)
         self.scheduler = cosine_with_warmup(self.optimizer, cfg.optim.warmup_steps,
                                             cfg.train.max_steps, cfg.optim.min_lr_ratio)
@@ -143,7 +144,7 @@ class DistillRecipe:
             ds = plugin.deepspeed_config
             if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
                 ds["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
-        self.family.module, self.optimizer = acc.prepare(self.family.module, self.optimizer)
+        self.draft.module, self.optimizer = acc.prepare(self.draft.module, self.optimizer)
         self._check_deepspeed_clipping()
 
         # 5. trackers and resume
@@ -192,10 +193,6 @@ class DistillRecipe:
                  self.batch_in_epoch)
 
     # ------------------------------------------------------------------ losses and metrics
-    def _teacher_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Exact teacher logits from cached final hidden states. (B, T, H) -> (B, T, V)."""
-        return hidden.to(self.lm_head.dtype) @ self.lm_head.T
-
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """Weighted loss over draft positions for one micro-batch.
 
@@ -208,39 +205,33 @@ class DistillRecipe:
         n_tokens the global count of position-1 tokens.
         """
         acc = self.accelerator
-        outputs = self.family.forward(batch)
-        weights = self.family.position_weights
-        d2t = self.family.draft_to_target
+        outputs = self.draft.forward(batch)
+        weights = self.draft.position_weights
+        d2t = self.draft.draft_to_target
         total = torch.zeros((), device=self.accelerator.device)
         parts: dict[str, float] = {}
         shared = self._shared_teacher(batch, outputs)
         for k, pos in enumerate(outputs):
-            # Only the counted rows (assistant tokens, no padding) go through the loss; families
+            # Only the counted rows (assistant tokens, no padding) go through the loss: families
             # return them packed as (1, N, ...), all counted. The teacher comes from the cached
             # hidden states through the frozen LM head: once per distinct row for all positions
             # (train.teacher_per_token), else per position, at once when it fits the budget and
             # otherwise in chunks inside the loss (never all (N, V) held).
-            m = pos.mask
-            packed = m.shape[0] == 1 and bool(m.all())
-            student = pos.draft_logits if packed else pos.draft_logits[m][None]  # (1, N, V_draft)
-            labels = pos.labels if packed else pos.labels[m][None]
-            t_hidden = pos.teacher_hidden if packed else pos.teacher_hidden[m][None]  # (1, N, H)
+            student, labels, t_hidden = pos.draft_logits, pos.labels, pos.teacher_hidden
             if student.shape[1] == 0:
-                lk = pos.draft_logits.sum() * 0.0
+                lk = student.sum() * 0.0
             elif shared is not None:
                 lk = self.loss_fn(student, None, None, teacher_logp=shared[k][None],
                                   draft_to_target=d2t, labels=labels)
             elif student.shape[1] * self.lm_head.shape[0] <= self.cfg.train.teacher_logits_budget:
                 with torch.no_grad():
-                    teacher = self._teacher_logits(t_hidden)
+                    teacher = teacher_logits(t_hidden, self.lm_head)
                 lk = self.loss_fn(student, teacher, None, draft_to_target=d2t, labels=labels)
             else:
                 lk = self.loss_fn(student, None, None, teacher_hidden=t_hidden,
                                   lm_head_weight=self.lm_head, draft_to_target=d2t, labels=labels)
             if pos.draft_hidden is not None and self.cfg.draft.feature_weight > 0:
-                diff = torch.nn.functional.smooth_l1_loss(
-                    pos.draft_hidden.float(), pos.teacher_hidden.float(), reduction="none").mean(-1)
-                feat = (diff * pos.mask).sum() / pos.mask.sum().clamp(min=1)
+                feat = feature_regression(pos.draft_hidden, t_hidden, pos.mask)
                 lk = lk + self.cfg.draft.feature_weight * feat
             n_local = pos.mask.sum().float()
             n_global = acc.reduce(n_local.detach().clone(), reduction="sum").clamp(min=1)
@@ -257,20 +248,20 @@ class DistillRecipe:
         if not self.cfg.train.teacher_per_token:
             return None
         hidden = batch["hidden"].flatten(0, 1)  # (B*T, H): at most this many distinct rows
-        vocab = self.lm_head.shape[0] if self.family.draft_to_target is None \
-            else self.family.draft_to_target.numel()
+        vocab = self.lm_head.shape[0] if self.draft.draft_to_target is None \
+            else self.draft.draft_to_target.numel()
         if hidden.shape[0] * vocab > self.cfg.train.teacher_logits_budget:
             return None
         rows = [pos.teacher_index[pos.mask] for pos in outputs]
         return shared_teacher_log_probs(hidden, rows, self.lm_head, self.loss_fn.temperature,
-                                        self.family.draft_to_target, self.loss_fn.renormalize)
+                                        self.draft.draft_to_target, self.loss_fn.renormalize)
 
     @torch.no_grad()
     def validate(self) -> dict:
         """Per draft position: expected acceptance sum(min(p, q)) and top-1 agreement."""
-        from train.metrics import expected_acceptance_sums
+        from train.metrics import acceptance_stats
 
-        model = self.family.module
+        model = self.draft.module
         model.eval()
         acc = self.accelerator
         sums = None
@@ -282,18 +273,18 @@ class DistillRecipe:
             if limit is not None and i >= limit:
                 break
             with acc.autocast():
-                outputs = self.family.forward(batch)
-            rows = []
-            for pos in outputs:
-                p_logits = self._teacher_logits(pos.teacher_hidden)
-                rows.append(expected_acceptance_sums(
-                    p_logits.float(), pos.draft_logits.float(), pos.mask, temperature=temp,
-                    draft_to_target=self.family.draft_to_target))
-            batch_sums = torch.tensor(rows, device=acc.device, dtype=torch.float64)  # (K, 3)
+                outputs = self.draft.forward(batch)
+            stats = [acceptance_stats(pos.draft_logits, pos.mask, pos.teacher_hidden,
+                                      self.lm_head, temperature=temp,
+                                      draft_to_target=self.draft.draft_to_target)
+                     for pos in outputs]
+            # (K, 3): per position, the sums of acceptance, of top-1 agreement and the count
+            batch_sums = torch.stack([torch.stack(tuple(st)) for st in stats]).to(
+                acc.device, torch.float64)
             sums = batch_sums if sums is None else sums + batch_sums
         model.train()
         if sums is None:
-            sums = torch.zeros(self.family.num_positions, 3, device=acc.device, dtype=torch.float64)
+            sums = torch.zeros(self.draft.num_positions, 3, device=acc.device, dtype=torch.float64)
         sums = acc.reduce(sums, reduction="sum")
         n = sums[:, 2].clamp(min=1)
         return {"alpha_hat": (sums[:, 0] / n).tolist(), "top1": (sums[:, 1] / n).tolist(),
@@ -315,7 +306,7 @@ class DistillRecipe:
 
     def train(self) -> dict:
         cfg = self.cfg
-        model = self.family.module
+        model = self.draft.module
         model.train()
         if self.step == 0:
             self.initial_validation = self.validate()
@@ -409,9 +400,9 @@ class DistillRecipe:
     def save_package(self) -> Path | None:
         """Write the draft package (weights, config, manifest with the target's identity)."""
         acc = self.accelerator
-        module = acc.unwrap_model(self.family.module)
+        module = acc.unwrap_model(self.draft.module)
         if acc.distributed_type.name == "DEEPSPEED":
-            state = acc.get_state_dict(self.family.module)  # gathers ZeRO-3 shards
+            state = acc.get_state_dict(self.draft.module)  # gathers ZeRO-3 shards
             if acc.is_main_process:
                 module.load_state_dict(state, strict=False)
         if not acc.is_main_process:
@@ -420,7 +411,7 @@ class DistillRecipe:
         from heads.vocab import TOKEN_FREQUENCY, frequency_record
 
         counts = self.train_set.token_counts(int(self.target.model.config.vocab_size))
-        pkg = self.family.save_package(
+        pkg = self.draft.save_package(
             self.out_dir / "draft", module,
             extra_json={"validation.json": self.final_validation,
                         "validation_init.json": self.initial_validation,

@@ -21,6 +21,9 @@ probabilities of the draft ids are taken from the full-vocabulary softmax and *n
 renormalised, so the mass on ids the draft cannot propose counts as loss; TVD is then exactly the
 rejection rate of speculative sampling with that draft. With ``renormalize=True`` the teacher is
 the softmax over the draft ids only (a proper distribution; the outside mass is ignored).
+
+``feature_regression`` is EAGLE's other term: smooth-L1 between the draft's predicted features
+and the target's hidden states (the recipe adds it with weight ``draft.feature_weight``).
 """
 from __future__ import annotations
 
@@ -31,12 +34,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-LOSS_NAMES = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data", "feature")
+from data import features
+
+LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")  # the config validator reads these
 
 
 def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tensor | None = None,
                       draft_to_target: Tensor | None = None, renormalize: bool = False) -> Tensor:
     """Teacher log-probabilities over the draft vocabulary.
+
+    Hidden states go through ``data.features.teacher_logits``, the one implementation of the
+    teacher's logits (shared with the feature cache, which cannot import ``train/``).
 
     Args:
         teacher: (..., V) logits, or (..., H) hidden states when ``lm_head_weight`` is given.
@@ -50,10 +58,9 @@ def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tenso
         renormalising).
     """
     if lm_head_weight is not None:
-        logits = F.linear(teacher.to(lm_head_weight.dtype), lm_head_weight)
+        logits = features.teacher_logits(teacher, lm_head_weight, temperature)
     else:
-        logits = teacher
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+        logits = features.scale_logits(teacher, temperature)
     if draft_to_target is None:
         return torch.log_softmax(logits, dim=-1)
     if renormalize:
@@ -108,7 +115,7 @@ class _ForwardKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: Tensor, log_p: Tensor, temperature: float) -> Tensor:  # (N, V) -> (N,)
-        zt = z.float() if temperature == 1.0 else z.float() / temperature
+        zt = features.scale_logits(z, temperature)
         if zt.data_ptr() == z.data_ptr():
             zt = zt.clone()  # overwritten in place below
         p = log_p.exp()
@@ -185,28 +192,27 @@ class DistillLoss(nn.Module):
 
     Terms (keys of ``weights``): ``fkl`` KL(p||q), ``rkl`` KL(q||p), ``tvd``
     1 - sum min(p, q), ``jsd`` generalised JSD with ``beta``, ``ce`` -log q(argmax p),
-    ``ce_data`` -log q(label) on the data token, ``feature`` smooth-L1 between predicted and
-    target features (EAGLE; needs ``draft_hidden``). ``ce_data`` skips entries whose label is
-    outside a reduced draft vocabulary.
+    ``ce_data`` -log q(label) on the data token (skipping entries whose label is outside a
+    reduced draft vocabulary). EAGLE's feature regression is a separate function,
+    ``feature_regression``, on the draft's features rather than its logits.
 
     Args:
         weights: term name -> weight (terms with weight 0 are skipped).
         temperature: distillation temperature for teacher and student (> 0).
         beta: beta of the generalised JSD, in (0, 1).
         renormalize: restricted-teacher choice for a reduced draft vocabulary (module doc).
-        feature_beta: smooth-L1 transition point.
         chunk_size: positions along T per teacher chunk.
         fused: compute ``fkl`` with ``fused_forward_kl`` (hand-written gradient); False uses
             autograd through ``log_softmax`` (the reference it is tested against).
     """
 
     def __init__(self, weights: dict[str, float], temperature: float = 1.0,
-                 beta: float = 0.5, renormalize: bool = False, feature_beta: float = 1.0,
-                 chunk_size: int = 256, fused: bool = True) -> None:
+                 beta: float = 0.5, renormalize: bool = False, chunk_size: int = 256,
+                 fused: bool = True) -> None:
         super().__init__()
-        unknown = set(weights) - set(LOSS_NAMES)
+        unknown = set(weights) - set(LOSS_TERMS)
         if unknown:
-            raise ValueError(f"unknown loss terms {sorted(unknown)}; allowed: {LOSS_NAMES}")
+            raise ValueError(f"unknown loss terms {sorted(unknown)}; allowed: {LOSS_TERMS}")
         if not any(float(w) != 0 for w in weights.values()):
             raise ValueError("DistillLoss needs at least one term with a non-zero weight")
         if not temperature > 0:
@@ -221,27 +227,21 @@ class DistillLoss(nn.Module):
         self.renormalize = renormalize
         self.chunk_size = chunk_size
         self.fused = bool(fused)
-        self.feature_loss = FeatureRegressionLoss(beta=feature_beta)
-
-    def _token_terms(self) -> list[str]:
-        return [k for k in self.weights if k != "feature"]
 
     def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                 mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
                 lm_head_weight: Tensor | None = None, draft_to_target: Tensor | None = None,
-                labels: Tensor | None = None, draft_hidden: Tensor | None = None,
-                teacher_logp: Tensor | None = None) -> Tensor:
+                labels: Tensor | None = None, teacher_logp: Tensor | None = None) -> Tensor:
         """Scalar weighted loss; arguments as in ``forward_with_parts``."""
         return self.forward_with_parts(
             student_logits, teacher_logits, mask, teacher_hidden=teacher_hidden,
             lm_head_weight=lm_head_weight, draft_to_target=draft_to_target, labels=labels,
-            draft_hidden=draft_hidden, teacher_logp=teacher_logp)[0]
+            teacher_logp=teacher_logp)[0]
 
     def forward_with_parts(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                            mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
                            lm_head_weight: Tensor | None = None,
                            draft_to_target: Tensor | None = None, labels: Tensor | None = None,
-                           draft_hidden: Tensor | None = None,
                            teacher_logp: Tensor | None = None
                            ) -> tuple[Tensor, dict[str, Tensor]]:
         """Weighted loss and its parts.
@@ -254,7 +254,6 @@ class DistillLoss(nn.Module):
             lm_head_weight: (V, H) the target's LM head.
             draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
             labels: (B, T) long target ids (for ``ce_data``).
-            draft_hidden: (B, T, H) predicted features (for ``feature``; target = teacher_hidden).
             teacher_logp: (B, T, V_draft) teacher log-probabilities already at this
                 temperature and restricted to the draft vocabulary (``shared_teacher_log_probs``);
                 replaces ``teacher_logits`` / ``teacher_hidden``.
@@ -269,13 +268,15 @@ class DistillLoss(nn.Module):
                                 lm_head_weight, teacher_logp)
         mask = mask.bool()
         n = mask.sum().clamp(min=1).float()
-        terms = self._token_terms()
+        terms = list(self.weights)
         inv = None
         if "ce_data" in terms:
             if labels is None:
                 raise ValueError("the ce_data term needs labels (B, T) of target ids")
             if draft_to_target is not None:
-                vocab = lm_head_weight.shape[0] if lm_head_weight is not None else teacher.shape[-1]
+                # sized from the ids: a teacher given as teacher_logp does not tell the target's
+                # vocabulary size
+                vocab = int(torch.cat([draft_to_target, labels.flatten()]).max()) + 1
                 inv = target_to_draft_index(draft_to_target, vocab)
         labels_t = labels if labels is not None else torch.zeros_like(mask, dtype=torch.long)
 
@@ -291,8 +292,7 @@ class DistillLoss(nn.Module):
                     log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
                                               draft_to_target, self.renormalize)
             if need_log_q:
-                z_q = s.float() if self.temperature == 1.0 else s.float() / self.temperature
-                log_q = torch.log_softmax(z_q, dim=-1)
+                log_q = torch.log_softmax(features.scale_logits(s, self.temperature), dim=-1)
             out = []
             for name in terms:
                 if name == "fkl":
@@ -318,39 +318,32 @@ class DistillLoss(nn.Module):
 
         parts: dict[str, Tensor] = {}
         total = student_logits.new_zeros((), dtype=torch.float32)
-        if terms:
-            sums = torch.zeros(len(terms) + ("ce_data" in terms), device=student_logits.device)
-            # torch.split (not slicing): its backward concatenates the chunk gradients once
-            # instead of materialising a full-size zero gradient per chunk. Chunks are
-            # recomputed in backward (checkpointed) only on the memory-bounded path, where the
-            # teacher comes from hidden states through the LM head.
-            cs = self.chunk_size
-            recompute = teacher_hidden is not None and torch.is_grad_enabled() \
-                and student_logits.requires_grad
-            for args in zip(student_logits.split(cs, 1), teacher.split(cs, 1), mask.split(cs, 1),
-                            labels_t.split(cs, 1)):
-                if not bool(args[2].any()):
-                    continue
-                if recompute:
-                    sums = sums + checkpoint(chunk_fn, *args, use_reentrant=False)
-                else:
-                    sums = sums + chunk_fn(*args)
-            i = 0
-            for name in terms:
-                if name == "ce_data":
-                    value = sums[i] / sums[i + 1].clamp(min=1)
-                    i += 2
-                else:
-                    value = sums[i] / n
-                    i += 1
-                parts[name] = value.detach()
-                total = total + self.weights[name] * value
-        if "feature" in self.weights:
-            if draft_hidden is None or teacher_hidden is None:
-                raise ValueError("the feature term needs draft_hidden and teacher_hidden (B, T, H)")
-            value = self.feature_loss(draft_hidden, teacher_hidden, mask)
-            parts["feature"] = value.detach()
-            total = total + self.weights["feature"] * value
+        sums = torch.zeros(len(terms) + ("ce_data" in terms), device=student_logits.device)
+        # torch.split (not slicing): its backward concatenates the chunk gradients once
+        # instead of materialising a full-size zero gradient per chunk. Chunks are
+        # recomputed in backward (checkpointed) only on the memory-bounded path, where the
+        # teacher comes from hidden states through the LM head.
+        cs = self.chunk_size
+        recompute = teacher_hidden is not None and torch.is_grad_enabled() \
+            and student_logits.requires_grad
+        for args in zip(student_logits.split(cs, 1), teacher.split(cs, 1), mask.split(cs, 1),
+                        labels_t.split(cs, 1)):
+            if not bool(args[2].any()):
+                continue
+            if recompute:
+                sums = sums + checkpoint(chunk_fn, *args, use_reentrant=False)
+            else:
+                sums = sums + chunk_fn(*args)
+        i = 0
+        for name in terms:
+            if name == "ce_data":
+                value = sums[i] / sums[i + 1].clamp(min=1)
+                i += 2
+            else:
+                value = sums[i] / n
+                i += 1
+            parts[name] = value.detach()
+            total = total + self.weights[name] * value
         return total, parts
 
 
@@ -414,23 +407,21 @@ class HardCELoss(_SingleTerm):
         super().__init__(temperature, renormalize, chunk_size)
 
 
-class FeatureRegressionLoss(nn.Module):
-    """Smooth-L1 between predicted and target features, averaged over H and masked entries.
+def feature_regression(pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """Smooth-L1 (beta 1) between predicted and target features, averaged over H and then over
+    masked entries: EAGLE's regression of the target's next hidden state.
 
     Args:
-        beta: smooth-L1 transition point.
+        pred: (B, T, H) the draft's predicted features.
+        target: (B, T, H) the target's hidden states for the same entries.
+        mask: (B, T) bool, entries that count.
+
+    Returns:
+        Scalar float32 tensor (0 when the mask is empty).
     """
-
-    def __init__(self, beta: float = 1.0) -> None:
-        super().__init__()
-        self.beta = beta
-
-    def forward(self, pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
-        """pred, target (B, T, H); mask (B, T) bool -> scalar."""
-        if pred.shape != target.shape or pred.shape[:2] != mask.shape:
-            raise ValueError(f"pred {tuple(pred.shape)}, target {tuple(target.shape)} and mask "
-                             f"{tuple(mask.shape)} must be (B, T, H), (B, T, H), (B, T)")
-        per = F.smooth_l1_loss(pred.float(), target.float(), reduction="none",
-                               beta=self.beta).mean(-1)  # (B, T)
-        mask = mask.bool()
-        return torch.where(mask, per, 0.0).sum() / mask.sum().clamp(min=1)
+    if pred.shape != target.shape or pred.shape[:2] != mask.shape:
+        raise ValueError(f"pred {tuple(pred.shape)}, target {tuple(target.shape)} and mask "
+                         f"{tuple(mask.shape)} must be (B, T, H), (B, T, H), (B, T)")
+    per = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)  # (B, T)
+    mask = mask.bool()
+    return torch.where(mask, per, 0.0).sum() / mask.sum().clamp(min=1)

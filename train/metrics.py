@@ -119,24 +119,3 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
         acc = torch.minimum(log_p.exp(), q).sum(-1)
         alpha = alpha + torch.where(m, acc, 0.0).sum()
     return AcceptanceStats(alpha, top1, mask.sum().float())
-
-
-def expected_acceptance_sums(p_logits: Tensor, q_logits: Tensor, mask: Tensor,
-                             temperature: float = 1.0,
-                             draft_to_target: Tensor | None = None) -> tuple[float, float, float]:
-    """``(alpha_sum, top1_sum, count)`` of one draft position, from logits.
-
-    Args:
-        p_logits: (B, T, V) target logits over the full target vocabulary.
-        q_logits: (B, T, V_draft) draft logits.
-        mask: (B, T) bool.
-        temperature: sampling temperature for both (0 = greedy).
-        draft_to_target: (V_draft,) long target id of each draft id (reduced vocabulary).
-
-    Returns:
-        Three floats: sums over masked positions of the acceptance probability and of top-1
-        agreement, and the number of masked positions.
-    """
-    st = acceptance_stats(q_logits, mask, teacher_logits=p_logits, temperature=temperature,
-                          draft_to_target=draft_to_target)
-    return float(st.alpha_sum), float(st.top1_sum), float(st.count)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
-from test_chat import make_char_tokenizer
+from conftest import make_char_tokenizer, tiny_llama
 
 from data.target import load_target
 from eval import decode, measure
+from eval.draft import settle
 from eval.report import parse_costs
 from heads.draft_lm import DraftLMConfig, build_draft_lm
 from heads.eagle import EagleConfig, build_eagle
@@ -20,7 +20,7 @@ from heads.medusa import MedusaConfig, build_medusa
 from heads.package import PackageIntegrityError, load_package, save_package, update_package_json
 from scripts.export import export_package
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a short poem.", "Again."]},
     {"question_id": 82, "category": "math", "turns": ["What is 12 plus 30?"]},
@@ -29,6 +29,8 @@ QUESTIONS = [
 SUMMARY_KEYS = {"tokens_generated", "target_forwards", "tau", "acceptance_rate", "alpha",
                 "alpha_cumulative", "draft_time_s", "verify_time_s", "wall_time_s", "tokens_per_s",
                 "speedup", "k", "k_source", "draft_kind", "lossless", "device", "dtype"}
+PLAN = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8, "medusa_branching": None,
+        "draft_vocab": None, "device": "cpu"}  # decode.py's defaults: everything measured
 SAMPLE_KEYS = {"id", "category", "prompt_ids", "output_ids", "output_text", "tau"}
 
 
@@ -265,7 +267,7 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(setup, tm
 def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(setup, tmp_path):
     from scripts import bench
 
-    path = bench.useless_copy(str(setup["lm"]), setup["loaded"], tmp_path)
+    path = bench.useless_copy("lm", str(setup["lm"]), setup["loaded"], tmp_path)
     good = load_package(setup["lm"]).module
     bad = load_package(path, target=setup["loaded"]).module
     ids = torch.randint(0, good.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -326,7 +328,7 @@ def test_measure_and_decode_draft_lm_tree(setup, tmp_path):
     pkg, rec = _measure_copy(setup, tmp_path, "lm", "tree_topk=2", "tree_depths=[2]",
                              "tree_sizes=[4]")
     assert [(g["depth"], g["total_tokens"]) for g in rec["tree"]["grid"]] == [(2, 4)]
-    want_tree = decode.lm_tree_pays(rec, "float32", "cpu")
+    want_tree = settle({**PLAN, "dtype": "float32"}, load_package(pkg)).tree
     summary = _decode(setup, pkg, "limit=1", "tree_topk=2", "k_max=2")["summary"]
     assert summary["draft_kind"] == ("lm-tree" if want_tree else "lm")
     assert summary["matches_baseline"] == 1.0  # greedy: token-identical to plain decoding
@@ -352,9 +354,12 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(setup, tmp_path):
     assert summary["matches_baseline"] == 1.0
     assert _decode(setup, pkg, "limit=1", "baseline=false", "medusa_branching=[3,1]")[
         "summary"]["k_source"] != "speculation.json (tree)"
-    assert decode.resolve_medusa_branching(None, rec, "float32", "cpu") == (
-        tree["branching"], "speculation.json (tree)")
-    assert decode.resolve_medusa_branching(None, rec, "bfloat16", "cpu") == ([4, 2, 2, 1], "default")
+    medusa = load_package(pkg)
+    plan = settle({**PLAN, "dtype": "float32"}, medusa)
+    assert (list(plan.medusa_branching), plan.k_source) == (tree["branching"],
+                                                            "speculation.json (tree)")
+    plan = settle({**PLAN, "dtype": "bfloat16"}, medusa)  # measured in another dtype
+    assert (plan.medusa_branching, plan.k_source[:7]) == ((4, 2, 2, 1), "default")
     # K* = 0 and the best tree a loss too: the default is plain decoding
     update_package_json(pkg, "speculation.json", {**rec, "k_star": 0,
                                                   "tree": {**tree, "speedup": 0.9}})
@@ -363,36 +368,6 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(setup, tmp_path):
     with pytest.raises(ValueError, match="medusa_branchings takes non-empty lists"):
         measure.run_overrides([f"draft={pkg}", f"target_path={setup['target']}",
                                "medusa_branchings=[[2,0]]"])
-
-
-def test_lm_tree_is_the_default_only_where_it_beat_the_chain():
-    spec = {"k_star": 1, "dtype": "bfloat16", "hardware": {"device": "cpu"},
-            "measured_speedup": {"speedup": 1.05},
-            "tree": {"depth": 2, "total_tokens": 8, "speedup": 1.2}}
-    assert decode.lm_tree_pays(spec, "bfloat16", "cpu")
-    assert not decode.lm_tree_pays(spec, "float32", "cpu")  # measured in another dtype
-    assert not decode.lm_tree_pays({**spec, "tree": {**spec["tree"], "speedup": 1.0}}, "bfloat16", "cpu")
-    assert not decode.lm_tree_pays({**spec, "tree": None}, "bfloat16", "cpu")
-    assert decode.lm_tree_pays({**spec, "measured_speedup": {"k": 0, "speedup": None}}, "bfloat16", "cpu")
-
-
-def test_resolve_tree_uses_the_measured_shape_only_where_it_was_measured():
-    spec = {"k_star": 1, "dtype": "bfloat16", "hardware": {"device": "cpu"},
-            "tree": {"depth": 2, "total_tokens": 16}}
-    assert decode.resolve_tree(None, None, spec, "bfloat16", "cpu") == (2, 16, "speculation.json (tree)")
-    assert decode.resolve_tree(3, None, spec, "bfloat16", "cpu") == (3, 16, "speculation.json (tree)")
-    assert decode.resolve_tree(None, None, spec, "float32", "cpu") == (None, None, "config")
-    assert decode.resolve_tree(None, 8, {**spec, "tree": None}, "bfloat16", "cpu") == (None, 8, "config")
-
-
-def test_resolve_k_uses_k_star_only_for_the_dtype_and_device_it_was_measured_on():
-    spec = {"k_star": 3, "dtype": "float32", "hardware": {"device": "cpu"}}
-    assert decode.resolve_k(None, spec, "float32", "cpu") == (3, "speculation.json")
-    assert decode.resolve_k(None, spec, "float32", "cuda:0")[1] == \
-        "default (K* in speculation.json is for cpu)"
-    assert decode.resolve_k(None, spec, "bfloat16", "cpu")[0] == decode.DEFAULT_K
-    assert decode.resolve_k(2, spec, "bfloat16", "cpu") == (2, "config")
-    assert decode.resolve_k(None, None) == (decode.DEFAULT_K, "default")
 
 
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
@@ -429,7 +404,7 @@ def test_draft_vocab_is_measured_and_decoded_losslessly(setup, tmp_path, kind):
     assert summary["draft_vocab"] == 20 and summary["matches_baseline"] == 1.0
     assert _decode(setup, pkg, "limit=1", "baseline=false", "draft_vocab=full")["summary"][
         "draft_vocab"] is None
-    assert decode.resolve_draft_vocab({**rec, "draft_vocab": {"size": 20}}, "bfloat16", "cpu") == "full"
+    assert settle({**PLAN, "dtype": "bfloat16"}, load_package(pkg)).draft_vocab is None
     # an export carries the counts with speculation.json and decodes the same way
     exp = export_package(pkg, "hf" if kind == "lm" else "eagle", tmp_path / "export",
                          target=setup["loaded"])
@@ -454,13 +429,3 @@ def test_bad_draft_vocab_values_are_refused(setup):
         _decode(setup, pkg, "limit=1", "draft_vocab=40")
 
 
-def test_eagle_tree_gives_way_to_the_chain_only_where_the_chain_measured_faster():
-    spec = {"k_star": 2, "dtype": "bfloat16", "hardware": {"device": "cpu"},
-            "measured_speedup": {"speedup": 1.48},
-            "tree": {"depth": 2, "total_tokens": 16, "speedup": 1.27}}
-    assert decode.chain_beat_tree(spec, "bfloat16", "cpu")
-    assert not decode.chain_beat_tree(spec, "float32", "cpu")  # measured in another dtype
-    assert not decode.chain_beat_tree({**spec, "tree": {**spec["tree"], "speedup": 1.6}},
-                                      "bfloat16", "cpu")
-    assert not decode.chain_beat_tree({**spec, "measured_speedup": None}, "bfloat16", "cpu")
-    assert not decode.chain_beat_tree(None, "bfloat16", "cpu")

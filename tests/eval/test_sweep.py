@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from eval.sweep import is_done, job_id, job_stem, normalize_settings, run_job, run_sweep
+from eval.sweep import (
+    CONF_DIR,
+    Isolate,
+    is_done,
+    job_id,
+    job_stem,
+    normalize_settings,
+    run_job,
+    run_sweep,
+    task,
+)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fake_result(settings: dict) -> dict:
@@ -71,7 +81,8 @@ def test_normalize_and_stable_ids(tmp_path):
 def test_resume_after_kill_reruns_only_missing_jobs(tmp_path):
     first = CountingRunner(kill_after=2)
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(grid(), tmp_path, first, isolate=False, progress=False, report=False)
+        run_sweep(grid(), tmp_path, first, isolate=Isolate.NEVER, progress=False,
+                  report=False)
     assert len(first.calls) == 2
     done = sorted(p.name for p in tmp_path.glob("*.json"))
     assert len(done) == 2
@@ -80,18 +91,20 @@ def test_resume_after_kill_reruns_only_missing_jobs(tmp_path):
     (tmp_path / f"{stem}.json").write_text('{"summary": {"tau": 1')
     assert not is_done(tmp_path / f"{stem}.json")
     second = CountingRunner()
-    counts = run_sweep(grid(), tmp_path, second, isolate=False, progress=False, report=False)
+    counts = run_sweep(grid(), tmp_path, second, isolate=Isolate.NEVER, progress=False,
+                       report=False)
     assert [c["k"] for c in second.calls] == [4, 8]
     assert counts == {"skipped": 2, "done": 2}
     third = CountingRunner()
-    assert run_sweep(grid(), tmp_path, third, isolate=False, progress=False)["skipped"] == 4
+    third_counts = run_sweep(grid(), tmp_path, third, isolate=Isolate.NEVER, progress=False)
+    assert third_counts["skipped"] == 4
     assert third.calls == []
     assert len((tmp_path / "report.csv").read_text().strip().splitlines()) == 1 + 4
 
 
 def test_failing_job_is_recorded_and_sweep_goes_on(tmp_path):
     runner = CountingRunner(fail_k=2)
-    counts = run_sweep(grid(), tmp_path, runner, isolate=False, progress=False)
+    counts = run_sweep(grid(), tmp_path, runner, isolate=Isolate.NEVER, progress=False)
     assert counts == {"done": 3, "failed": 1}
     assert [c["k"] for c in runner.calls] == [1, 2, 4, 8]
     (err,) = tmp_path.glob("*.error.json")
@@ -103,16 +116,28 @@ def test_failing_job_is_recorded_and_sweep_goes_on(tmp_path):
     assert "decoder exploded" in (tmp_path / "report.md").read_text()
     # the failed job is retried on rerun; success removes its error file
     retry = CountingRunner()
-    assert run_sweep(grid(), tmp_path, retry, isolate=False, progress=False)["done"] == 1
+    assert run_sweep(grid(), tmp_path, retry, isolate=Isolate.NEVER, progress=False)["done"] == 1
     assert [c["k"] for c in retry.calls] == [2]
     assert not list(tmp_path.glob("*.error.json"))
 
 
 def test_runner_returning_garbage_is_an_error(tmp_path):
     s = normalize_settings({"draft": "lookup", "k": 1})
-    assert run_job(s, tmp_path, lambda _: {"summary": 3}, isolate=False) == "failed"
+    assert run_job(s, tmp_path, lambda _: {"summary": 3}, isolate=Isolate.NEVER) == "failed"
     (err,) = tmp_path.glob("*.error.json")
     assert "must return" in json.loads(err.read_text())["error"]["message"]
+
+
+def test_isolate_is_parsed_once_and_bad_values_are_refused():
+    from hydra import compose, initialize_config_dir
+
+    # Hydra reads isolate=true / false as booleans: both spellings give the same member
+    assert [Isolate.parse(v) for v in ("auto", True, "true", False, "false")] == [
+        Isolate.AUTO, Isolate.ALWAYS, Isolate.ALWAYS, Isolate.NEVER, Isolate.NEVER]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="sweep", overrides=["isolate=sometimes", "draft=lookup"])
+    with pytest.raises(ValueError, match=r"isolate='sometimes'.*auto, true, false"):
+        task(cfg)
 
 
 FAKE_MODULE = textwrap.dedent("""
@@ -139,12 +164,13 @@ def test_child_process_for_process_level_settings(tmp_path, monkeypatch):
     s = normalize_settings({"draft": "lookup", "k": 2, "threads": 1})
     out = tmp_path / "sweep"
     never = CountingRunner()
-    assert run_job(s, out, never, isolate="auto", runner_spec="fake_runner:fake") == "done"
+    assert run_job(s, out, never, isolate=Isolate.AUTO, runner_spec="fake_runner:fake") == "done"
     assert never.calls == []
     summary = json.loads((out / f"{job_stem(s)}.json").read_text())["summary"]
     assert summary["pid"] != os.getpid() and summary["threads"] == 1
     bad = normalize_settings({"draft": "lookup", "k": 3, "threads": 1})
-    assert run_job(bad, out, never, isolate="auto", runner_spec="fake_runner:fake") == "failed"
+    status = run_job(bad, out, never, isolate=Isolate.AUTO, runner_spec="fake_runner:fake")
+    assert status == "failed"
     err = json.loads((out / f"{job_stem(bad)}.error.json").read_text())["error"]
     assert err["type"] == "JobFailedError" and "boom at k=3" in err["message"]
 

@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama
-from test_chat import make_char_tokenizer
+from conftest import make_char_tokenizer, tiny_llama
 from transformers import ViTConfig
 
 import data.target as tg

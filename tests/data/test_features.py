@@ -224,15 +224,15 @@ def _sharegpt_file(path, n=30):
 
 
 def test_prepare_data_builds_then_reuses_caches(tmp_path):
+    from conftest import make_char_tokenizer
     from omegaconf import OmegaConf
-    from test_chat import make_char_tokenizer
 
     from data.prepare import prepare_data
 
     tok = make_char_tokenizer()
     target = make_tiny_target(vocab=len(tok))
     target.tokenizer = tok
-    cfg = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "sharegpt.yaml")
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
     cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
     cfg.num_conversations = 25
     cfg.split = {"val": 0.2, "test": 0.2}

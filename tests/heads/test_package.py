@@ -15,11 +15,11 @@ import torch
 from conftest import make_tiny_target
 
 from heads.draft_lm import DraftLMConfig, build_draft_lm
+from heads.family import WEIGHTS
 from heads.medusa import MedusaConfig, build_medusa
 from heads.package import (
     MANIFEST,
     PACKAGE_JSON,
-    WEIGHTS,
     PackageIntegrityError,
     TargetMismatchError,
     load_package,
@@ -28,7 +28,7 @@ from heads.package import (
     update_package_json,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

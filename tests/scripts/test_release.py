@@ -9,7 +9,8 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file
 
 from heads.eagle import EagleConfig, build_eagle
-from heads.package import WEIGHTS, PackageIntegrityError, load_package, save_package
+from heads.family import WEIGHTS
+from heads.package import PackageIntegrityError, load_package, save_package
 from scripts.release import release
 
 
@@ -64,7 +65,7 @@ def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(
 def test_the_committed_release_loads_verifies_and_drafts_inside_its_vocabulary(real_target):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "releases" / "eagle3-smollm2-135m"
+    root = Path(__file__).resolve().parents[2] / "releases" / "eagle3-smollm2-135m"
     pkg = load_package(root, target=real_target)  # manifest + target identity checked
     head = pkg.module
     assert pkg.kind == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 30]

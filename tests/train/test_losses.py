@@ -7,21 +7,17 @@ import pytest
 import torch
 
 from train.losses import (
+    LOSS_TERMS,
     DistillLoss,
-    FeatureRegressionLoss,
     ForwardKLLoss,
     HardCELoss,
     JSDLoss,
     ReverseKLLoss,
     TVDLoss,
+    feature_regression,
     teacher_log_probs,
 )
-from train.metrics import (
-    acceptance_stats,
-    expected_acceptance,
-    expected_acceptance_sums,
-    top1_agreement,
-)
+from train.metrics import acceptance_stats, expected_acceptance, top1_agreement
 
 P = [0.5, 0.25, 0.15, 0.1]
 Q = [0.1, 0.2, 0.3, 0.4]
@@ -144,15 +140,34 @@ def test_reduced_vocab_teacher_renormalised_or_mass_outside_counted():
 
 
 def test_feature_regression_is_masked_smooth_l1():
-    pred = torch.tensor([[[0.0, 2.0], [5.0, 5.0]]])
+    pred = torch.tensor([[[0.0, 2.0], [5.0, 5.0]]], requires_grad=True)
     target = torch.tensor([[[0.5, 0.0], [0.0, 0.0]]])
     mask = torch.tensor([[True, False]])
     # smooth L1 (beta 1): 0.5*0.5^2 = 0.125 and |2|-0.5 = 1.5 -> mean over H = 0.8125
-    assert FeatureRegressionLoss()(pred, target, mask).item() == pytest.approx(0.8125)
-    mix, parts = DistillLoss({"feature": 2.0}).forward_with_parts(
-        torch.zeros(1, 2, 3), None, mask, teacher_hidden=target, lm_head_weight=torch.ones(3, 2),
-        draft_hidden=pred)
-    assert mix.item() == pytest.approx(1.625) and parts["feature"].item() == pytest.approx(0.8125)
+    got = feature_regression(pred, target, mask)
+    assert got.item() == pytest.approx(0.8125)
+    got.backward()
+    assert pred.grad[0, 0].tolist() == [-0.25, 0.5] and pred.grad[0, 1].tolist() == [0.0, 0.0]
+    far = pred.detach().clone()
+    far[0, 1] = 1e6  # a masked-out entry changes nothing
+    assert feature_regression(far, target, mask).item() == pytest.approx(0.8125)
+    assert feature_regression(far, target, torch.zeros_like(mask)).item() == 0.0
+    two = feature_regression(pred.detach(), target, torch.ones_like(mask)).item()
+    assert two == pytest.approx((0.8125 + 4.5) / 2)  # |5| - 0.5 on both features of entry 2
+    with pytest.raises(ValueError, match="must be"):
+        feature_regression(pred.detach(), target[..., :1], mask)
+
+
+def test_loss_terms_are_the_ones_the_config_allows():
+    """One list: DistillLoss and the config validator accept the same terms, and the feature
+    regression is not one of them (the recipe adds it with draft.feature_weight)."""
+    from train.config import LOSS_TERMS as config_terms
+
+    assert config_terms is LOSS_TERMS and "feature" not in LOSS_TERMS
+    for term in LOSS_TERMS:
+        DistillLoss({term: 1.0})
+    with pytest.raises(ValueError, match="unknown loss terms"):
+        DistillLoss({"feature": 1.0})
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -201,11 +216,11 @@ def test_acceptance_stats_from_hidden_greedy_and_reduced_vocab():
     assert red.alpha < 1 - (1 - p[..., d2t].sum(-1))[mask].mean().item() + 1e-6
 
 
-def test_expected_acceptance_sums_from_logits():
+def test_acceptance_sums_from_logits():
     g = torch.Generator().manual_seed(5)
     zp, zq = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
     mask = torch.rand(2, 5, generator=g) > 0.4
-    a, t, n = expected_acceptance_sums(zp, zq, mask, temperature=1.0)
+    a, t, n = (float(v) for v in acceptance_stats(zq, mask, teacher_logits=zp, temperature=1.0))
     assert n == float(mask.sum())
     want = expected_acceptance(zp.softmax(-1), zq.softmax(-1), mask).item() * n
     assert a == pytest.approx(want, rel=1e-5)
@@ -316,3 +331,59 @@ def test_shared_teacher_computes_each_row_once_and_matches_per_position_teachers
     assert sum(seen) == 8  # the distinct rows 0..7, not 12
     for r, got in zip(rows, shared):
         assert torch.allclose(got, real(hidden[r], 0.9, w, d2t), atol=1e-6)
+
+
+def test_ce_data_with_shared_teacher_and_reduced_vocab_equals_the_hidden_path():
+    """Teacher log-probs over a reduced vocabulary do not tell the target's vocabulary size; the
+    data-label CE still maps target-id labels to draft ids (outside ids skipped)."""
+    g = torch.Generator().manual_seed(6)
+    hidden, w = torch.randn(1, 6, 8, generator=g), torch.randn(30, 8, generator=g)
+    d2t = torch.tensor([0, 3, 4, 7, 9, 12, 20, 29])
+    student = torch.randn(1, 6, 8, generator=g)
+    labels = torch.tensor([[3, 29, 1, 7, 0, 28]])  # 1 and 28 are not draft ids
+    loss = DistillLoss({"ce_data": 1.0, "fkl": 0.5}, temperature=0.9)
+    want, want_parts = loss.forward_with_parts(student, None, None, teacher_hidden=hidden,
+                                               lm_head_weight=w, draft_to_target=d2t,
+                                               labels=labels)
+    logp = teacher_log_probs(hidden, 0.9, w, d2t)
+    got, parts = loss.forward_with_parts(student, None, None, teacher_logp=logp,
+                                         draft_to_target=d2t, labels=labels)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    log_q = torch.log_softmax(student[0] / 0.9, -1)
+    by_hand = -(log_q[0, 1] + log_q[1, 7] + log_q[3, 3] + log_q[4, 0]) / 4
+    assert parts["ce_data"].item() == pytest.approx(by_hand.item(), rel=1e-6)
+    assert want_parts["ce_data"].item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monkeypatch):
+    """The LM head over cached hidden states has one implementation,
+    ``data.features.teacher_logits``; losses and metrics reach it through teacher_log_probs."""
+    from data import features
+
+    g = torch.Generator().manual_seed(7)
+    hidden, w = torch.randn(3, 8, generator=g), torch.randn(20, 8, generator=g)
+    want = torch.log_softmax(hidden @ w.T / 0.7, -1)
+    torch.testing.assert_close(teacher_log_probs(hidden, 0.7, w), want)
+    calls = []
+    real = features.teacher_logits
+    monkeypatch.setattr(features, "teacher_logits",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    teacher_log_probs(hidden, 0.7, w)
+    acceptance_stats(torch.randn(1, 3, 20), torch.ones(1, 3, dtype=torch.bool), hidden[None], w)
+    assert calls == [(3, 8), (1, 3, 8)]
+
+
+def test_teacher_logits_run_the_matmul_in_the_lm_heads_dtype():
+    """A bf16 target's teacher is its bf16 LM head output (as in the target's own forward),
+    returned in fp32 and divided by the temperature there."""
+    from data.features import teacher_logits
+
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(4, 16, generator=g).half()  # the cache's fp16 rows
+    w = torch.randn(50, 16, generator=g).bfloat16()
+    bf16 = torch.nn.functional.linear(hidden.bfloat16(), w).float()
+    got = teacher_logits(hidden, w, temperature=2.0)
+    assert got.dtype == torch.float32 and torch.equal(got, bf16 / 2.0)
+    assert torch.equal(teacher_logits(hidden, w), bf16)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        teacher_logits(hidden, w, temperature=0.0)

@@ -9,15 +9,17 @@ from omegaconf import OmegaConf
 
 from train.config import ConfigError, validate_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
+EVAL_CONF = CONF / "eval"  # the evaluation / export commands, outside the training groups
+EVAL_NAMES = sorted(p.stem for p in EVAL_CONF.glob("*.yaml"))
 
 
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def _compose(overrides: list[str], name: str = "distill"):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+def _compose(overrides: list[str], name: str = "distill", conf: Path = CONF):
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return compose(config_name=name, overrides=overrides)
 
 
@@ -34,15 +36,34 @@ def test_every_option_composes_and_validates(override):
     validate_config(cfg)
 
 
-@pytest.mark.parametrize("name", [p.stem for p in CONF.glob("*.yaml") if p.stem != "distill"])
-def test_top_level_configs_compose(name):
-    cfg = _compose([], name=name)
+def test_only_the_training_entry_point_is_top_level():
+    assert [p.stem for p in CONF.glob("*.yaml")] == ["distill"]
+
+
+@pytest.mark.parametrize("name", EVAL_NAMES)
+def test_eval_configs_compose(name):
+    cfg = _compose([], name=name, conf=EVAL_CONF)
     assert len(cfg) > 0
+
+
+@pytest.mark.parametrize("name", EVAL_NAMES)
+def test_draft_is_a_plain_value_in_eval_configs(name):
+    """``draft=DIR`` sets a string: conf/eval/ has no ``draft`` config group to clash with."""
+    has_draft = "draft" in list(_compose([], name=name, conf=EVAL_CONF))  # also when ???
+    override = ("" if has_draft else "+") + "draft=/some/dir"
+    assert _compose([override], name=name, conf=EVAL_CONF).draft == "/some/dir"
+
+
+def test_measure_config_is_decode_plus_its_keys():
+    decode = _compose([], name="decode", conf=EVAL_CONF)
+    measure = _compose([], name="measure", conf=EVAL_CONF)
+    assert set(decode) < set(measure) and measure.prompts == "sharegpt" and measure.k is None
+    assert all(measure[k] == decode[k] for k in decode if k not in ("prompts", "k"))
 
 
 def test_every_yaml_is_covered():
     """A new config group or file must be added to this test (no YAML escapes composition)."""
-    covered = set(GROUPS) | {"experiment", "debug", "accelerate", "deepspeed"}
+    covered = set(GROUPS) | {"experiment", "debug", "accelerate", "deepspeed", "eval"}
     groups = {p.name for p in CONF.iterdir() if p.is_dir()}
     assert groups <= covered, f"groups not composed by tests: {groups - covered}"
 

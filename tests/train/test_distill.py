@@ -18,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TINY = ["debug=tiny", "data=sharegpt_tiny", "data.num_conversations=24", "data.max_length=96",
@@ -263,7 +263,7 @@ def _loss_and_grads(recipe, batch, per_token: bool, fused: bool):
     torch.manual_seed(0)  # the same EAGLE feature noise on both paths
     loss, parts, _ = recipe.compute_loss(batch)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in recipe.family.module.named_parameters()
+    grads = {n: p.grad.clone() for n, p in recipe.draft.module.named_parameters()
              if p.grad is not None}
     return loss.item(), parts, grads
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from eval.report import build_report, expected_tokens, main, parse_costs, predicted_speedup
+from eval.cost import Costs, expected_speedups, expected_tokens, parse_costs
+from eval.report import build_report, main, predicted_speedup
 
 
-def write_job(d: Path, stem: str, settings: dict, summary: dict, samples: list | None = None) -> Path:
+def write_job(d: Path, stem: str, settings: dict, summary: dict,
+              samples: list | None = None) -> Path:
     path = d / f"{stem}.json"
     path.write_text(json.dumps({"job": {"id": stem, "settings": settings},
                                 "summary": summary, "samples": samples or []}))
@@ -128,11 +130,16 @@ def test_expected_tokens_and_prediction():
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens([0.5, 0.5], 1) == pytest.approx(1.5)
     # perfect draft, free drafting, verify as cheap as one AR step -> speedup K + 1
-    ks, sp = predicted_speedup([1.0] * 4, 0.05, 0.0, {k: 0.05 for k in range(1, 5)}, [1, 2, 3, 4])
-    assert ks == [1, 2, 3, 4] and sp == pytest.approx([2, 3, 4, 5])
+    sp = expected_speedups([1.0] * 4, Costs(0.05, 0.0, {k: 0.05 for k in range(1, 5)}),
+                           [1, 2, 3, 4])
+    assert list(sp) == [1, 2, 3, 4] and list(sp.values()) == pytest.approx([2, 3, 4, 5])
+    spec = {"alpha": [1.0] * 4, "costs": {"t_ar": 0.05, "t_draft": 0.0,
+                                          "t_verify": {str(k): 0.05 for k in range(1, 5)}}}
+    assert predicted_speedup(spec, [1, 2, 3, 4]) == pytest.approx(sp)
     costs = parse_costs({"t_ar": 0.05, "t_draft": 0.01, "t_verify": [0.05, 0.051, 0.06]})
     assert costs == (0.05, 0.01, {0: 0.05, 1: 0.051, 2: 0.06})
     assert parse_costs({"t_ar": 0.05}) is None
+    assert parse_costs({"t_AR": 0.05, "t_draft": 0.01, "t_verify": [0.05]}) is None  # one spelling
 
 
 def test_plots_written(tmp_path):
@@ -161,7 +168,8 @@ def test_plots_written(tmp_path):
 def test_errors_listed_and_bad_input(tmp_path):
     write_job(tmp_path, "ok", settings("none", None), {"tokens_per_s": 10.0})
     (tmp_path / "bad.error.json").write_text(json.dumps(
-        {"job": {}, "error": {"type": "RuntimeError", "message": "out of memory", "traceback": ""}}))
+        {"job": {}, "error": {"type": "RuntimeError", "message": "out of memory",
+                              "traceback": ""}}))
     rep = build_report(tmp_path, make_figures=False)
     assert len(rep.errors) == 1 and len(rep.rows) == 1
     assert "RuntimeError: out of memory" in (tmp_path / "report.md").read_text()

@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_target
-from test_chat import make_char_tokenizer
+from conftest import make_char_tokenizer, make_tiny_target
 
 from data.regenerate import regenerate_conversations
 from data.sharegpt import Conversation

@@ -1,11 +1,8 @@
 """Chat tokenization with assistant masks, and the id-hashed split."""
 from __future__ import annotations
 
-import string
-
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from conftest import make_char_tokenizer
 
 from data.chat import (
     ChatTemplateError,
@@ -16,31 +13,6 @@ from data.chat import (
     tokenize_conversations,
 )
 from data.sharegpt import Conversation
-
-SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nbe nice<|im_end|>\n' }}{% endif %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def make_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer (vocab < 96, ids 0/1/2 = pad/bos/eos) with a chat template.
-
-    Matches `tiny_llama_config` (pad 0, bos 1, eos 2 = <|im_end|>).
-    """
-    chars = string.ascii_letters + string.digits + " \n.,!?:'-"
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(chars))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.add_special_tokens(SPECIALS)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="<|im_end|>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def conv(cid: str, *pairs: tuple[str, str]) -> Conversation:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eval.kstar import choose_kstar, expected_tokens_per_step, measure_speculation
+from eval.cost import Costs, expected_tokens
+from eval.kstar import choose_kstar, measure_speculation
 from eval.proposers import DraftLMProposer
 from eval.stats import KController
 from eval.target_model import Target
@@ -14,18 +15,18 @@ from tests.conftest import tiny_llama
 
 
 def test_expected_tokens_formula():
-    assert expected_tokens_per_step([0.5, 0.5, 0.5], 0) == 1.0
-    assert expected_tokens_per_step([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens_per_step([1.0, 0.0, 1.0], 3) == 2.0  # a zero cuts later positions
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0  # a zero cuts later positions
     with pytest.raises(ValueError, match="positions"):
-        expected_tokens_per_step([0.5], 2)
+        expected_tokens([0.5], 2)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        expected_tokens_per_step([1.5], 1)
+        expected_tokens([1.5], 1)
 
 
 def test_kstar_free_verify_and_free_draft_takes_the_longest_useful_k():
     # perfect draft, free drafting, verify cost flat -> longest K wins
-    k, sp = choose_kstar([1.0] * 6, 0.0, {k: 1.0 for k in range(7)}, 1.0)
+    k, sp = choose_kstar([1.0] * 6, Costs(1.0, 0.0, {k: 1.0 for k in range(7)}))
     assert k == 6 and sp[6] == pytest.approx(7.0)
 
 
@@ -33,7 +34,7 @@ def test_kstar_matches_brute_force_on_synthetic_costs():
     alpha = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
     t_ar, t_draft = 0.047, 0.006
     t_verify = {0: 0.047, 1: 0.049, 2: 0.051, 4: 0.072, 8: 0.086}
-    k, sp = choose_kstar(alpha, t_draft, t_verify, t_ar)
+    k, sp = choose_kstar(alpha, Costs(t_ar, t_draft, t_verify))
     brute = {}
     for kk, tv in t_verify.items():
         e, prod = 1.0, 1.0
@@ -47,19 +48,20 @@ def test_kstar_matches_brute_force_on_synthetic_costs():
 
 
 def test_kstar_useless_draft_picks_plain():
-    k, sp = choose_kstar([0.0] * 4, 0.01, {k: 0.05 + 0.001 * k for k in range(5)}, 0.05)
+    k, sp = choose_kstar([0.0] * 4, Costs(0.05, 0.01, {k: 0.05 + 0.001 * k for k in range(5)}))
     assert k == 0 and all(v < 1 for kk, v in sp.items() if kk)
 
 
 def test_kstar_ignores_k_without_alpha():
-    k, sp = choose_kstar([0.9], 0.0, {0: 1.0, 1: 1.0, 2: 1.0}, 1.0)
+    k, sp = choose_kstar([0.9], Costs(1.0, 0.0, {0: 1.0, 1: 1.0, 2: 1.0}))
     assert set(sp) == {0, 1} and k == 1
 
 
 def test_controller_shrinks_k_for_poor_acceptance_and_grows_for_good():
     ctl = KController(k=4, k_max=8, fallback=False)
     for _ in range(8):
-        ctl.record(depth=ctl.k, nodes=ctl.k, accepted=0, tokens=1, t_draft=0.01 * ctl.k, t_verify=0.05)
+        ctl.record(depth=ctl.k, nodes=ctl.k, accepted=0, tokens=1, t_draft=0.01 * ctl.k,
+                   t_verify=0.05)
     assert ctl.k == 1
     ctl = KController(k=2, k_max=8, fallback=False)
     for _ in range(8):

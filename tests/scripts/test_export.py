@@ -13,15 +13,23 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from data.target import TargetIdentity
 from heads.draft_lm import DraftLMConfig, build_draft_lm
 from heads.eagle import EagleConfig, build_eagle
+from heads.exports import WEIGHTS_FILE, import_export
 from heads.medusa import MedusaConfig, build_medusa
-from heads.package import MANIFEST, PackageIntegrityError, TargetMismatchError, save_package
+from heads.package import (
+    MANIFEST,
+    PackageIntegrityError,
+    TargetMismatchError,
+    load_package,
+    save_package,
+)
 from scripts import export
-from scripts.export import ExportError, export_package, import_export, tensor_shapes
-from scripts.export_layouts import REQUIRED_FILES, WEIGHTS_FILE, layout_problems
+from scripts.export import ExportError, export_package, tensor_shapes
+from scripts.export_layouts import REQUIRED_FILES, layout_problems
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _randomize(module: nn.Module, seed: int = 0) -> nn.Module:
@@ -68,6 +76,20 @@ def test_hf_export_is_an_assistant_model_and_round_trips(lm_package, tmp_path):
     assert torch.equal(plain, assisted)  # greedy speculative decoding is lossless
     back = import_export(out, target=target)
     torch.testing.assert_close(back.module(ids).logits, draft(ids).logits, rtol=0, atol=0)
+    # the same object as load_package gives: a TargetIdentity, not the manifest's dict
+    assert isinstance(back.identity, TargetIdentity)
+    assert back.identity == load_package(pkg, target=target).identity == target.identity
+
+
+def test_advertised_draft_length_is_k_star_only(tmp_path):
+    """Only eval/measure.py's ``k_star`` is K*; other keys leave the family default (3)."""
+    target = make_tiny_target()
+    cfg = DraftLMConfig.matching(target.model.config, 1, init="random")
+    draft = build_draft_lm(cfg, target.model)
+    pkg = save_package(tmp_path / "lm", "lm", draft, cfg, target.identity,
+                       extra_json={"speculation": {"best_k": 7, "K_star": 6}})
+    out = export_package(pkg, "hf", tmp_path / "hf")
+    assert json.loads((out / MANIFEST).read_text())["num_speculative_tokens"] == 3
 
 
 def test_medusa_export_layout_and_round_trip(tmp_path):

@@ -28,6 +28,32 @@ def _hidden(target: LlamaForCausalLM, ids: torch.Tensor, layers: bool = False):
     return out.hidden_states[-1]
 
 
+def _counted(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None,
+             shift: int) -> list[tuple[int, int]]:
+    """The (b, t) entries a teacher offset ``shift`` counts, written out from the definition:
+    token t+shift+1 exists, is not padding and has ``loss_mask`` set."""
+    b_, t_ = loss_mask.shape
+    return [(b, t) for b in range(b_) for t in range(t_)
+            if t + shift + 1 < t_ and bool(loss_mask[b, t + shift + 1])
+            and (attention_mask is None or bool(attention_mask[b, t + shift + 1]))]
+
+
+def _check_packed(pos, counted: list[tuple[int, int]], shift: int, ids: torch.Tensor,
+                  hidden: torch.Tensor, full_logits: torch.Tensor | None = None) -> None:
+    """``pos`` holds exactly the counted entries, in (b, t) order, packed as (1, N, ...): the
+    teacher row ``hidden[b, t+shift]`` (and its flat index), the label ``ids[b, t+shift+1]``
+    and, when given, the draft logits of the full (B, T) forward at (b, t)."""
+    n, seq = len(counted), ids.shape[1]
+    assert pos.mask.shape == (1, n) and bool(pos.mask.all())
+    assert pos.teacher_index[0].tolist() == [b * seq + t + shift for b, t in counted]
+    assert torch.equal(pos.teacher_hidden[0], torch.stack([hidden[b, t + shift] for b, t in counted]))
+    assert pos.labels[0].tolist() == [int(ids[b, t + shift + 1]) for b, t in counted]
+    assert pos.draft_logits.shape[:2] == (1, n)
+    if full_logits is not None:
+        want = torch.stack([full_logits[b, t] for b, t in counted])
+        torch.testing.assert_close(pos.draft_logits[0], want, atol=1e-5, rtol=1e-5)
+
+
 # ----- draft LM ------------------------------------------------------------------------------
 def test_draft_lm_with_all_target_layers_reproduces_the_target():
     target = tiny_llama()
@@ -92,10 +118,12 @@ def test_draft_lm_targets_alignment():
     pad = torch.ones(B, T, dtype=torch.long)
     pad[1, 7:] = 0
     (pos,) = draft_lm.distill_targets(draft, ids, hidden, loss_mask, pad)
-    assert pos.draft_logits.shape == (B, T, V) and torch.equal(pos.teacher_hidden, hidden)
-    assert pos.mask[0].tolist() == [True] * (T - 1) + [False]
-    assert pos.mask[1].tolist() == [True] * 6 + [False] * 4
-    assert torch.equal(pos.labels[:, : T - 1], ids[:, 1:])
+    counted = _counted(loss_mask, pad, 0)
+    assert counted == [(0, t) for t in range(T - 1)] + [(1, t) for t in range(6)]
+    with torch.no_grad():
+        full = draft(input_ids=ids, attention_mask=pad).logits  # (B, T, V)
+    assert pos.draft_logits.shape == (1, len(counted), V)
+    _check_packed(pos, counted, 0, ids, hidden, full)
 
 
 def test_lora_trains_only_adapters_and_merges():
@@ -163,9 +191,11 @@ def test_medusa_config_and_alignment():
     assert len(out) == 3
     for i, pos in enumerate(out):
         s = 1 + i
-        assert torch.equal(pos.teacher_hidden[:, : T - s], hidden[:, s:])
-        assert pos.mask[0].tolist() == [t + s + 1 >= 3 and t + s + 1 < T for t in range(T)]
-        assert torch.equal(pos.labels[:, : T - s - 1], ids[:, s + 1:])
+        counted = _counted(loss_mask, None, s)
+        assert counted == [(b, t) for b in range(B) for t in range(T) if 3 <= t + s + 1 < T]
+        with torch.no_grad():
+            full = heads.head_logits(hidden, i)  # (B, T, V): head i at every position
+        _check_packed(pos, counted, s, ids, hidden, full)
 
 
 # ----- EAGLE ---------------------------------------------------------------------------------
@@ -277,10 +307,9 @@ def test_eagle_fused_layers_noise_and_errors():
     loss_mask = torch.ones(B, T, dtype=torch.bool)
     out = eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers,
                                 layer_ids=[0, 1, 2])
-    assert [o.draft_logits.shape for o in out] == [(B, T, V)] * 2
-    assert out[1].draft_hidden.shape == (B, T, 32)
-    assert torch.equal(out[1].teacher_hidden[:, : T - 2], hidden[:, 2:])
-    assert out[1].mask[0].tolist() == [True] * (T - 3) + [False] * 3
+    assert [o.draft_logits.shape for o in out] == [(1, B * (T - 2), V), (1, B * (T - 3), V)]
+    assert out[1].draft_hidden.shape == (1, B * (T - 3), 32)
+    _check_packed(out[1], [(b, t) for b in range(B) for t in range(T - 3)], 2, ids, hidden)
     again = eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers, layer_ids=[0, 1, 2])
     assert not torch.allclose(out[0].draft_hidden, again[0].draft_hidden)  # training noise
     head.eval()
@@ -386,23 +415,20 @@ def test_families_on_the_real_target(real_target):
     heads = build_medusa(MedusaConfig(num_heads=2), model)
     head = build_eagle(EagleConfig(ttt_steps=2), model).eval()
     with torch.no_grad():
-        for fn, m in ((draft_lm.distill_targets, draft), (medusa.distill_targets, heads),
-                      (eagle.distill_targets, head)):
+        # position 1 counts 7 of the 8 tokens for the draft LM, 6 for Medusa and EAGLE
+        for fn, m, n in ((draft_lm.distill_targets, draft, 7), (medusa.distill_targets, heads, 6),
+                         (eagle.distill_targets, head, 6)):
             out = fn(m, ids, hidden, loss_mask)
-            assert out[0].draft_logits.shape == (1, 8, vocab)
+            assert out[0].draft_logits.shape == (1, n, vocab)
         full = head(hidden, ids)
         cache = head.new_cache()
         steps = [head(hidden[:, t:t + 1], ids[:, t:t + 1], past_key_values=cache) for t in range(8)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-4)
 
 
-def test_packed_targets_equal_the_counted_rows_of_unpacked_ones():
-    """``packed=True`` keeps exactly the masked entries, in order, for every family."""
-    from heads import draft_lm, eagle, medusa
-    from heads.draft_lm import DraftLMConfig, build_draft_lm
-    from heads.eagle import EagleConfig, build_eagle
-    from heads.medusa import MedusaConfig, build_medusa
-
+def test_targets_are_the_counted_rows_of_the_full_forward():
+    """Every family returns exactly its counted entries, in order, packed as (1, N, ...), with
+    the logits its full (B, T) forward has there, under padding and a ragged loss mask."""
     target = tiny_llama(seed=3)
     torch.manual_seed(0)
     ids = torch.randint(3, 96, (2, 12))
@@ -410,19 +436,23 @@ def test_packed_targets_equal_the_counted_rows_of_unpacked_ones():
     loss_mask = torch.rand(2, 12) > 0.3
     attn = torch.ones(2, 12, dtype=torch.long)
     attn[1, 9:] = 0
-    cases = [
-        (draft_lm.distill_targets, build_draft_lm(DraftLMConfig.matching(target.config, 1), target)),
-        (medusa.distill_targets, build_medusa(MedusaConfig(num_heads=2), target)),
-        (eagle.distill_targets, build_eagle(EagleConfig(ttt_steps=2), target)),
-    ]
-    for fn, module in cases:
-        module.eval()
-        full = fn(module, ids, hidden, loss_mask, attention_mask=attn)
-        packed = fn(module, ids, hidden, loss_mask, attention_mask=attn, packed=True)
-        assert len(full) == len(packed)
-        for f, p in zip(full, packed):
-            m = f.mask
-            assert p.mask.shape == (1, int(m.sum())) and bool(p.mask.all())
-            torch.testing.assert_close(p.draft_logits[0], f.draft_logits[m], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(p.teacher_hidden[0], f.teacher_hidden[m])
-            assert torch.equal(p.labels[0], f.labels[m])
+    draft = build_draft_lm(DraftLMConfig.matching(target.config, 1), target).eval()
+    heads = build_medusa(MedusaConfig(num_heads=2), target).eval()
+    head = build_eagle(EagleConfig(ttt_steps=2), target).eval()
+    with torch.no_grad():
+        full = {
+            "lm": [draft(input_ids=ids, attention_mask=attn).logits],
+            "medusa": [heads.head_logits(hidden, i) for i in range(2)],
+            "eagle": [head.compute_logits(o) for o in
+                      eagle.eagle_unrolled_forward(head, hidden, ids, 2, attn)],
+        }
+        got = {"lm": draft_lm.distill_targets(draft, ids, hidden, loss_mask, attention_mask=attn),
+               "medusa": medusa.distill_targets(heads, ids, hidden, loss_mask, attention_mask=attn),
+               "eagle": eagle.distill_targets(head, ids, hidden, loss_mask, attention_mask=attn)}
+    shifts = {"lm": [0], "medusa": [1, 2], "eagle": [1, 2]}
+    for kind, positions in got.items():
+        assert len(positions) == len(shifts[kind]), kind
+        for pos, shift, logits in zip(positions, shifts[kind], full[kind]):
+            counted = _counted(loss_mask, attn, shift)
+            assert 0 < len(counted) < 2 * 12 - shift - 1  # the mask and the padding both bite
+            _check_packed(pos, counted, shift, ids, hidden, logits)

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
-from test_chat import make_char_tokenizer
+from conftest import make_char_tokenizer, tiny_llama
 
 from data.target import load_target
 from eval import exactness
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PREFIX = [1, 5, 9, 13, 5, 9, 20]
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a short poem."]},
@@ -123,7 +122,7 @@ def tiny_setup(tmp_path_factory):
 
 def _tiny_overrides(setup, *extra: str) -> list[str]:
     return [f"target_path={setup['target']}", f"prompts=[{setup['questions']}]", "per_set=2",
-            "max_new_tokens=12", "k=3", "tree_topk=3", "tree_size=10", "standin_medusa_heads=3",
+            "max_new_tokens=12", "k=3", "tree_topk=3", "tree_size=10", "standins.medusa.num_heads=3",
             *extra]
 
 
@@ -213,7 +212,7 @@ def test_real_target_every_standin_proposer_is_exact(real_target, tmp_path):
     # trees than the defaults keep the test quick and still branch at every depth
     res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=2",
                                    "max_new_tokens=32", "drafts=[]", "threads=1", "k=3",
-                                   "standin_lm_layers=1", "tree_topk=3", "tree_size=12",
+                                   "standins.lm.num_layers=1", "tree_topk=3", "tree_size=12",
                                    "medusa_branching=[3,2,1]",
                                    f"out={tmp_path / 'exactness.json'}"], real_target)
     assert set(res["proposers"]) == STANDIN_NAMES

@@ -1,0 +1,240 @@
+"""A draft for decoding: load it with every check, settle how it drafts, build its proposer.
+
+Every evaluation tool gets its draft here. :func:`load_draft` reads a draft package or an
+export (manifest and target identity verified either way). :func:`settle` turns the decode
+options (``k``, ``tree``, ``tree_size``, ``medusa_branching``, ``draft_vocab``; null = measured)
+and the package's ``speculation.json`` into one typed :class:`DraftSettings`; the measured values
+count only when they were measured in the same dtype on the same device type
+(:meth:`Measured.of`). :func:`build_proposer` makes the family's proposer from them.
+
+``tree=auto`` means the same for every family: where the dynamic tree and the chain were both
+measured (or only the tree), the faster one; otherwise the family's default
+(``DraftFamily.tree_by_default``). A static tree (Medusa) has no chain to compare with on the
+measured grid, so ``auto`` drafts its tree.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from heads.family import FAMILIES, TreeKind
+from heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
+
+DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
+DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
+DEFAULT_MEDUSA_BRANCHING = (4, 2, 2, 1)  # Medusa tree when neither medusa_branching= nor measured
+
+
+class TreeMode(enum.Enum):
+    """``tree=``: ``auto`` (the measured faster one, else the family's default), or forced."""
+
+    AUTO = "auto"
+    CHAIN = "chain"
+    TREE = "tree"
+
+    @classmethod
+    def parse(cls, value: Any) -> TreeMode:
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise ValueError(f"tree={value!r}: allowed {', '.join(m.value for m in cls)}") from None
+
+
+def parse_draft_vocab(value: Any, vocab_size: int | None = None) -> int | None:
+    """``draft_vocab`` as a size (None = the whole vocabulary; ``full`` and ``0`` say so)."""
+    if value is None or (isinstance(value, str) and value.lower() == FULL) or value == 0:
+        return None
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = -1
+    if size < 1 or isinstance(value, bool) or (vocab_size is not None and size > vocab_size):
+        top = vocab_size if vocab_size is not None else "the vocabulary size"
+        raise ValueError(f"draft_vocab={value!r}: allowed null (measured), full, or a number of "
+                         f"most frequent ids in 1..{top}")
+    return None if vocab_size is not None and size == vocab_size else size
+
+
+# ----------------------------------------------------------------------------- measured record
+@dataclass(frozen=True)
+class MeasuredTree:
+    """The best tree shape ``eval/measure.py`` found (``speculation.json["tree"]``)."""
+
+    depth: int
+    total_tokens: int
+    branching: tuple[int, ...] | None  # a static (Medusa) tree's branching
+    speedup: float | None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``speculation.json`` measured, for the dtype and device type it was measured on."""
+
+    k_star: int
+    chain_speedup: float | None  # decoding at K* against plain decoding
+    tree: MeasuredTree | None
+    draft_vocab: int | None  # the fastest draft vocabulary size (None: the whole vocabulary)
+
+    @classmethod
+    def of(cls, speculation: Mapping | None, dtype: str | None = None,
+           device: str | None = None) -> tuple[Measured | None, str]:
+        """The record, or None and why (``default ...``) when it says nothing about this run:
+        costs measured in another dtype or on another device say nothing about the best K here.
+        """
+        spec = speculation or {}
+        k_star = spec.get("k_star")
+        if not (isinstance(k_star, int) and not isinstance(k_star, bool) and k_star >= 0):
+            return None, "default"
+        spec_dtype = spec.get("dtype")
+        spec_device = str((spec.get("hardware") or {}).get("device", "cpu"))
+        if dtype is not None and spec_dtype is not None and spec_dtype != dtype:
+            return None, f"default (K* in speculation.json is for {spec_dtype})"
+        if device is not None and torch.device(spec_device).type != torch.device(device).type:
+            return None, f"default (K* in speculation.json is for {spec_device})"
+        tree = spec.get("tree")
+        shape = None
+        if tree:
+            branching = tree.get("branching")
+            shape = MeasuredTree(int(tree["depth"]), int(tree["total_tokens"]),
+                                 tuple(int(b) for b in branching) if branching else None,
+                                 tree.get("speedup"))
+        size = (spec.get("draft_vocab") or {}).get("size")
+        return cls(k_star, (spec.get("measured_speedup") or {}).get("speedup"), shape,
+                   int(size) if size else None), "speculation.json"
+
+    def tree_won(self) -> bool | None:
+        """Whether the measured tree decoded faster than the chain at K*; None: not compared
+        (no tree measured, or neither speedup recorded)."""
+        if self.tree is None or (self.tree.speedup is None and self.chain_speedup is None):
+            return None
+        return self.tree.speedup is not None and (self.chain_speedup is None
+                                                  or self.tree.speedup > self.chain_speedup)
+
+
+def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
+              device: str | None = None) -> tuple[int, str]:
+    """The chain's draft length and where it came from: ``k`` (``config``), else the measured K*
+    for this dtype and device type (``speculation.json``), else :data:`DEFAULT_K` and why."""
+    if k is not None:
+        return int(k), "config"
+    measured, source = Measured.of(speculation, dtype, device)
+    return (DEFAULT_K, source) if measured is None else (measured.k_star, source)
+
+
+# ----------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class DraftSettings:
+    """How a draft drafts in one run. ``k_source`` says where ``k`` came from (reports only)."""
+
+    k: int
+    k_source: str
+    tree: bool
+    tree_size: int
+    tree_topk: int
+    medusa_branching: tuple[int, ...]
+    draft_vocab: int | None  # drafted over the most frequent ids (None: the whole vocabulary)
+
+
+def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSettings:
+    """The settings for ``pkg`` from the decode options ``cfg`` (null = measured, else default).
+
+    ``measured=False`` ignores ``speculation.json`` (tools that set every option themselves).
+    With K* = 0 and the best measured tree a loss too, the start is plain decoding (k = 0).
+    """
+    family = pkg.family
+    dtype, device = cfg.get("dtype"), cfg.get("device")
+    spec = pkg.speculation if measured else None
+    m, _ = Measured.of(spec, dtype, device)
+    k, k_source = resolve_k(cfg.get("k"), spec, dtype, device)
+    mode = TreeMode.parse(cfg.get("tree", "auto"))
+    use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default)
+    won = m.tree_won() if m is not None else None
+    if mode is TreeMode.AUTO and family.tree is TreeKind.DYNAMIC and won is not None:
+        use_tree = won
+    tree_size = cfg.get("tree_size")
+    branching = tuple(int(b) for b in (cfg.get("medusa_branching") or DEFAULT_MEDUSA_BRANCHING))
+    from_tree = use_tree and m is not None and m.tree is not None
+    if from_tree and family.tree is TreeKind.DYNAMIC:
+        tree_size = m.tree.total_tokens if tree_size is None else tree_size
+    if from_tree and family.tree is TreeKind.STATIC:  # a given branching is kept
+        from_tree = m.tree.branching is not None and not cfg.get("medusa_branching")
+        branching = m.tree.branching if from_tree else branching
+    if from_tree and cfg.get("k") is None:  # the measured tree's depth
+        k, k_source = (m.tree.depth if family.tree is TreeKind.DYNAMIC else len(branching),
+                       "speculation.json (tree)")
+        if m.k_star == 0 and (m.tree.speedup or 0.0) < 1.0:
+            k, k_source = 0, f"speculation.json (K* = 0, best tree {m.tree.speedup or 0.0:.2f}x)"
+    size = cfg.get("draft_vocab")
+    if family.draft_vocab and size is None:
+        size = m.draft_vocab if m is not None else None
+        if size is not None and not (Path(pkg.path) / TOKEN_FREQUENCY).is_file():
+            size = None  # measured, but the counts did not travel with this folder
+    size = parse_draft_vocab(size)
+    if size is not None and not family.draft_vocab:
+        able = tuple(f.name for f in FAMILIES.values() if f.draft_vocab)
+        raise ValueError(f"draft_vocab={cfg.get('draft_vocab')} applies to {able} drafts, not "
+                         f"{family.name}; use draft_vocab=full")
+    return DraftSettings(k=k, k_source=k_source, tree=use_tree,
+                         tree_size=int(tree_size if tree_size is not None else DEFAULT_TREE_SIZE),
+                         tree_topk=int(cfg.get("tree_topk", 8)), medusa_branching=branching,
+                         draft_vocab=size)
+
+
+# ----------------------------------------------------------------------------- load and build
+def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
+    """A draft package, or an export made by ``scripts/export.py``, as a ``DraftPackage``.
+
+    Args:
+        draft: a package folder (``draftsmith.json``) or an export folder (``manifest.json``
+            with ``export_format``: hf / eagle / speculators / medusa).
+        loaded_target: the ``LoadedTarget`` the draft must have been trained for.
+
+    Raises:
+        ValueError: the folder is neither a package nor an export.
+    """
+    from heads.exports import import_export
+    from heads.package import PACKAGE_JSON, load_package
+
+    root = Path(str(draft)).expanduser()
+    if (root / PACKAGE_JSON).is_file():
+        return load_package(root, target=loaded_target)
+    manifest = root / "manifest.json"
+    if manifest.is_file() and "export_format" in json.loads(manifest.read_text()):
+        return import_export(root, target=loaded_target)
+    raise ValueError(f"draft={draft}: not a draft package (no {PACKAGE_JSON}) nor an export (no "
+                     "manifest.json with export_format); pass a folder written by training or by "
+                     "scripts/export.py, or draft=none / draft=lookup")
+
+
+def draft_vocab_ids(size: int | None, pkg: Any, loaded_target: Any,
+                    vocab_size: int) -> torch.Tensor | None:
+    """The target ids a draft drafts over (None = all): the ``size`` most frequent ids of the
+    package's ``token_frequency.json`` plus the target's EOS ids."""
+    size = parse_draft_vocab(size, vocab_size)
+    if size is None:
+        return None
+    eos = getattr(getattr(loaded_target.model, "generation_config", None), "eos_token_id", None)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return frequent_ids(package_token_counts(pkg.path, vocab_size), size, eos)
+
+
+def proposer_class(family: Any) -> type:
+    """The family's proposer class (``DraftFamily.proposer``, a dotted path)."""
+    module, _, name = family.proposer.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_size: int,
+                   device: str = "cpu", dtype: str = "float32") -> Any:
+    """The family's proposer for ``pkg`` drafting as ``settings`` say (module moved to
+    ``device`` and ``dtype``)."""
+    module = pkg.module.to(device=device, dtype=getattr(torch, dtype)).eval()
+    ids = draft_vocab_ids(settings.draft_vocab, pkg, loaded_target, vocab_size)
+    return proposer_class(pkg.family).for_draft(module, pkg.head_config, vocab_size, settings, ids)

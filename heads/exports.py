@@ -1,0 +1,115 @@
+"""Read an export back into draftsmith's heads, and the layout facts writer and reader share.
+
+``scripts/export.py`` writes a draft package in a serving engine's layout (``hf``, ``medusa``,
+``eagle``, ``speculators``); :func:`import_export` loads such a folder as the same
+:class:`~heads.package.DraftPackage` that :func:`heads.package.load_package` returns, so
+``eval/decode.py draft=EXPORT`` decodes from it. The full layout specification (config keys,
+tensor names and shapes, sources) is ``scripts/export_layouts.py``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from data.target import TargetIdentity
+from heads.family import FAMILIES, WEIGHTS, DraftFamily, get_family
+from heads.package import DraftPackage, check_target, target_config, verify_folder
+
+FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
+WEIGHTS_FILE = {"hf": WEIGHTS, "eagle": WEIGHTS, "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS}
+# Tensors of the EAGLE-1 decoder layer (``layers.0.*``; draftsmith's head names it ``layer.*``).
+EAGLE1_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight",
+                     "post_attention_layernorm.weight")
+
+
+def format_family(fmt: str) -> DraftFamily:
+    """The family whose drafts ``fmt`` holds (``DraftFamily.export_formats``)."""
+    for family in FAMILIES.values():
+        if fmt in family.export_formats:
+            return family
+    raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+
+
+def rename_prefix(state: dict[str, torch.Tensor], old: str,
+                  new: str) -> dict[str, torch.Tensor]:
+    """``state`` with the key prefix ``old`` replaced by ``new`` (other keys unchanged)."""
+    return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+
+
+def medusa_from_reference(state: dict[str, torch.Tensor],
+                          num_layers: int) -> dict[str, torch.Tensor]:
+    """Medusa's ``{i}.{j}.linear.*`` / ``{i}.{N}.weight`` -> ``heads.{i}.blocks.{j}.linear.*`` /
+    ``heads.{i}.lm_head.weight``."""
+    out = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if parts[1] == str(num_layers):
+            out[f"heads.{parts[0]}.lm_head.weight"] = v
+        else:
+            out[f"heads.{parts[0]}.blocks.{parts[1]}.linear.{parts[-1]}"] = v
+    return out
+
+
+def eagle1_to_ours(state: dict[str, torch.Tensor], hidden: int,
+                   with_bias: bool) -> dict[str, torch.Tensor]:
+    """EAGLE-1 names -> draftsmith names, for a head whose fc has a bias iff ``with_bias``."""
+    w = state["fc.weight"]  # (H, 2H) over [embedding | feature]
+    out = {"fc.weight": torch.cat([w[:, hidden:], w[:, :hidden]], dim=1).contiguous()}
+    bias = state.get("fc.bias")
+    if with_bias:
+        out["fc.bias"] = bias if bias is not None else torch.zeros(hidden, dtype=w.dtype)
+    elif bias is not None and bool(bias.any()):
+        raise ValueError("the export's fc.bias is non-zero but its head config has no fc bias "
+                         "(layout=eagle1); the export was not written by this exporter")
+    for key in EAGLE1_LAYER_KEYS:
+        out[f"layer.{key}"] = state[f"layers.0.{key}"]
+    return out
+
+
+def import_export(path: str | Path, target: Any = None,
+                  allow_unverified: bool = False) -> DraftPackage:
+    """Load an export made by ``scripts/export.py`` back into draftsmith's heads (round trip).
+
+    Raises:
+        PackageIntegrityError: a file differs from the export's manifest.
+        TargetMismatchError: ``target`` is not the target the draft was trained for.
+    """
+    root = Path(path)
+    meta = verify_folder(root, allow_unverified)
+    fmt, kind = meta["export_format"], meta["draft_kind"]
+    if target is not None:
+        check_target(meta["target"], target.identity, where=f"{fmt} export")
+    family = get_family(kind)
+    cfg = family.config_class.from_dict(meta["head_config"])
+    info = {"target": meta["target"], "target_config": meta.get("target_config")}
+    state = load_file(str(root / WEIGHTS_FILE[fmt])) if fmt != "hf" else {}
+    h = meta["target"]["hidden_size"]
+    if fmt == "hf":
+        from transformers import AutoModelForCausalLM
+        module = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
+    elif fmt == "medusa":
+        module = family.empty_head(cfg, meta["target"], None, None)
+        module.load_state_dict(medusa_from_reference(state, cfg.num_layers))
+    else:
+        if fmt == "speculators":
+            state = rename_prefix(rename_prefix(state, "fusion_fc.", "fc."),
+                                  "transformer.", "layers.0.")
+        # layout=eagle1: the engines' structure
+        module = family.empty_head(cfg, meta["target"], target_config(info, target),
+                                   None if target is None else target.model)
+        with_bias = module.fc.bias is not None
+        module.load_trainable_state_dict({k: v.float() for k, v in
+                                          eagle1_to_ours(state, h, with_bias).items()})
+    module.float().eval()
+    spec = root / "speculation.json"
+    return DraftPackage(kind=kind, module=module, head_config=cfg,
+                        identity=TargetIdentity.from_dict(meta["target"]), path=root,
+                        info={**info, "export": meta},
+                        speculation=json.loads(spec.read_text()) if spec.is_file() else None)

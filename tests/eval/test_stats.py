@@ -1,0 +1,104 @@
+"""DecodeStats counting, merging and serialising, and the K controller's decisions."""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+import pytest
+
+from eval.cost import expected_tokens_constant
+from eval.stats import DecodeStats, KController
+
+
+def stats_of(steps: list[tuple[int, int]], tokens: int, forwards: int, wall: float,
+             reason: str = "max_new_tokens") -> DecodeStats:
+    st = DecodeStats(tokens_generated=tokens, target_forwards=forwards, wall_time_s=wall,
+                     draft_time_s=wall / 4, verify_time_s=wall / 2, stop_reason=reason)
+    for depth, accepted in steps:
+        st.record_step(depth, accepted)
+    return st.finalize()
+
+
+def test_record_step_and_finalize_by_hand():
+    st = stats_of([(3, 1), (3, 3), (2, 0), (0, 0)], tokens=10, forwards=5, wall=2.0)
+    assert (st.spec_steps, st.plain_steps, st.drafted, st.accepted) == (3, 1, 8, 4)
+    assert st.reached == [3, 2, 1] and st.accepted_at == [2, 1, 1]
+    assert st.alpha == pytest.approx([2 / 3, 1 / 2, 1.0])
+    assert st.alpha_cumulative == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert st.acceptance_rate == 0.5 and st.tau == 2.0 and st.tokens_per_s == 5.0
+
+
+def test_merge_sums_counts_and_recomputes():
+    a = stats_of([(3, 1), (3, 3), (2, 0)], tokens=10, forwards=5, wall=2.0)
+    b = stats_of([(1, 1), (0, 0)], tokens=4, forwards=2, wall=1.0)
+    m = DecodeStats.merge([a, b])
+    assert m.reached == [4, 2, 1] and m.accepted_at == [3, 1, 1]
+    assert m.alpha == pytest.approx([0.75, 0.5, 1.0])
+    assert (m.tokens_generated, m.target_forwards, m.drafted, m.accepted) == (14, 7, 9, 5)
+    assert (m.spec_steps, m.plain_steps) == (4, 1)
+    assert m.wall_time_s == 3.0 and m.draft_time_s == 0.75 and m.verify_time_s == 1.5
+    assert m.tau == 2.0 and m.tokens_per_s == pytest.approx(14 / 3)
+    assert m.stop_reason == "max_new_tokens"
+    assert DecodeStats.merge([a, stats_of([], 1, 1, 1.0, reason="eos")]).stop_reason == "mixed"
+    assert DecodeStats.merge([b, a]).alpha == m.alpha  # order does not matter
+
+
+def test_to_dict_is_a_json_ready_copy():
+    st = stats_of([(2, 1)], tokens=3, forwards=2, wall=0.5)
+    d = st.to_dict()
+    assert set(d) == {f.name for f in fields(DecodeStats)}
+    assert d["alpha"] == st.alpha and d["reached"] == [1, 1]
+    d["alpha"].append(9.0)
+    assert st.alpha == [1.0, 0.0]  # position 2 was reached but not accepted
+    assert json.loads(json.dumps(st.to_dict())) == st.to_dict()
+
+
+def test_adaptive_k_takes_the_cost_models_best_by_hand():
+    # one step drafting 2, accepting 1: a = (1 + 1) / (2 + 2) = 0.5, t_d = 1 ms, verify flat 50 ms:
+    # E_K / (K t_d + 50 ms) = 29.4, 33.7, 35.4, 35.9, 35.8, ... per second: K = 4
+    ctl = KController(k=2, k_max=8, fallback=False)
+    ctl.record(depth=2, nodes=2, accepted=1, tokens=2, t_draft=0.002, t_verify=0.05)
+    rates = {k: expected_tokens_constant(0.5, k) / (0.001 * k + 0.05) for k in range(1, 9)}
+    assert ctl.k == 4 == max(rates, key=rates.get)
+
+
+def test_adaptive_k_prices_verification_by_fed_tokens():
+    # plain step 40 ms (1 token fed), verifying 2 drafts 60 ms (3 tokens): 30 ms + 10 ms per token,
+    # so K drafts cost 30 + 10 (K + 1) ms; K = 1 (29.4/s) beats K = 2 (28.2/s)
+    ctl = KController(k=2, k_max=8, fallback=False)
+    ctl.record_plain(0.04)
+    ctl.record(depth=2, nodes=2, accepted=1, tokens=2, t_draft=0.002, t_verify=0.06)
+    assert ctl._verify_fit() == pytest.approx((0.03, 0.01))
+    assert ctl.k == 1
+
+
+def test_fixed_and_zero_k():
+    ctl = KController(k=3, adaptive=False, fallback=False)
+    for _ in range(5):
+        ctl.record(depth=3, nodes=3, accepted=3, tokens=4, t_draft=0.0, t_verify=0.05)
+        assert ctl.next_k() == 3
+    plain = KController(k=0)
+    assert [plain.next_k() for _ in range(3)] == [0, 0, 0]
+    with pytest.raises(ValueError, match="k must be"):
+        KController(k=-1)
+
+
+def test_estimated_speedup_and_plain_time():
+    ctl = KController(k=2, adaptive=False, fallback=False)
+    ctl.record(depth=2, nodes=2, accepted=2, tokens=3, t_draft=0.01, t_verify=0.05)
+    assert ctl.t_plain() == 0.05  # no plain step yet: the fastest verify
+    assert ctl.estimated_speedup() == pytest.approx(3 / 0.06 * 0.05)
+    for t in (0.04, 0.02, 0.03):
+        ctl.record_plain(t)
+    assert ctl.t_plain() == 0.03 and ctl.estimated_speedup() == pytest.approx(3 / 0.06 * 0.03)
+
+
+def test_fallback_waits_for_min_steps():
+    ctl = KController(k=2, adaptive=False, min_steps=3, probe_every=4)
+    lose = {"depth": 2, "nodes": 2, "accepted": 0, "tokens": 1, "t_draft": 0.02, "t_verify": 0.05}
+    ctl.record(**lose)
+    ctl.record(**lose)
+    assert ctl.next_k() == 2  # two losing steps are not enough to decide
+    ctl.record(**lose)
+    assert [ctl.next_k() for _ in range(5)] == [0, 0, 0, 0, 2]
+    assert ctl.backoff == 1
