@@ -1,1 +1,2 @@
-"""draftsmith data: target loading, ShareGPT reading, tokenization, regeneration and the feature cache."""
+"""draftsmith data: target loading, ShareGPT reading, tokenization, regeneration and the feature
+cache."""

@@ -20,7 +20,8 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
                     num_kv_heads: int = 2, seed: int = 0, initializer_range: float = 0.02,
                     base: str | None = None,
                     cache_dir: str | Path | None = None) -> Path:
-    """Create (once) and return a folder holding a tiny random Llama with the base target's tokenizer.
+    """Create (once) and return a folder holding a tiny random Llama with the base target's
+    tokenizer.
 
     Args:
         hidden_size, num_layers, num_heads, num_kv_heads: the tiny model's shape.
@@ -42,9 +43,10 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
     if (out / "config.json").is_file():
         return out
     tok = base_target.tokenizer
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         max_position_embeddings=2048,
                          tie_word_embeddings=True, rope_theta=10000.0,
                          initializer_range=initializer_range,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -1,1 +1,2 @@
-"""draftsmith evaluation: verification, proposers, the speculative decoder, K*, sweeps and reports."""
+"""draftsmith evaluation: verification, proposers, the speculative decoder, K*, sweeps and
+reports."""

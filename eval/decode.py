@@ -125,7 +125,8 @@ def print_summary(summary: Mapping[str, Any]) -> None:
     for col in ("k (source)", "tokens", "tau", "accept", "tok/s", "speedup", "lossless"):
         table.add_column(col, justify="right")
     sp = summary.get("speedup")
-    table.add_row(f"{summary['k']} ({summary.get('k_source', '-')})", str(summary["tokens_generated"]), f"{summary['tau']:.2f}",
+    table.add_row(f"{summary['k']} ({summary.get('k_source', '-')})",
+                  str(summary["tokens_generated"]), f"{summary['tau']:.2f}",
                   f"{summary['acceptance_rate']:.2f}", f"{summary['tokens_per_s']:.1f}",
                   "-" if sp is None else f"{sp:.2f}x", str(summary["lossless"]))
     Console().print(table)

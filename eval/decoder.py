@@ -129,7 +129,8 @@ class SpeculativeDecoder:
                 generator.manual_seed(seed)
         sampling = Sampling(temperature, top_k, top_p)
         sampling.warp(torch.zeros(2))  # validates the settings before any work
-        prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+        prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids)
+                                   else prompt_ids)]
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int)
                                                else list(eos_token_id))
         stopper = _Stopper(eos, stop_sequences, max_new_tokens)
@@ -185,7 +186,8 @@ class SpeculativeDecoder:
                             (t1 - t0) + (t4 - t3), t3 - t1)
             else:
                 ctrl.record_plain(t4 - t0)
-            if not done and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+            if (not done and time_budget_s is not None
+                    and time.perf_counter() - t_start > time_budget_s):
                 stopper.reason, done = "time_budget", True
         stats.wall_time_s = time.perf_counter() - t_start
         stats.tokens_generated = len(generated)
@@ -205,7 +207,8 @@ class SpeculativeDecoder:
         if proposal.is_chain:
             out = self.target.extend(fed)
         else:
-            out = self.target.forward_tree(fed, torch.cat([torch.tensor([-1]), proposal.parents + 1]))
+            out = self.target.forward_tree(fed, torch.cat([torch.tensor([-1]),
+                                                           proposal.parents + 1]))
         # greedy: the one-hot rules reduce to argmax matching (same result, no (N+1, V) work)
         greedy = sampling.temperature == 0 and self.acceptance == "lossless"
         p = None if greedy else sampling.warp(out.logits)  # (N+1, V)

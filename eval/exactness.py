@@ -161,7 +161,8 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
     """``(name, proposer)`` for plain, prompt lookup and every draft (or the stand-ins)."""
     model = loaded.model
     vocab = int(model.config.vocab_size)
-    out: list[tuple[str, Proposer]] = [("plain", PlainProposer()), ("lookup", PromptLookupProposer())]
+    out: list[tuple[str, Proposer]] = [("plain", PlainProposer()),
+                                       ("lookup", PromptLookupProposer())]
     drafts = _as_list(cfg.drafts)
     pkgs = []
     for d in drafts:
@@ -214,7 +215,8 @@ def _as_list(value: Any) -> list[str]:
 def _prompt_sets(cfg: DictConfig) -> list[str]:
     sets = _as_list(cfg.prompts)
     if not sets:
-        raise ValueError("prompts is empty: give one or more sets, e.g. prompts=[humaneval,sharegpt]")
+        raise ValueError("prompts is empty: give one or more sets, "
+                         "e.g. prompts=[humaneval,sharegpt]")
     return sets
 
 

@@ -10,10 +10,10 @@ draft family decodes with: the dynamic tree's ``tree_sizes`` nodes, or the Medus
 (3) choose K* with :func:`eval.kstar.choose_kstar`; (4) decode the prompts again at K* and plainly,
 in this run, for the measured speedup; (4b) for EAGLE and draft-LM packages, decode the prompts
 with the dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` (Medusa: each
-static tree of ``medusa_branchings``) and keep the fastest shape (the tree analogue of K*: how many nodes pay depends on how the target's forward
-cost grows with width on this machine); (5) write the record with
-:func:`heads.package.update_package_json` (the manifest stays valid). ``eval/decode.py`` with
-``k=null`` then starts from this K*.
+static tree of ``medusa_branchings``) and keep the fastest shape (the tree analogue of K*: how
+many nodes pay depends on how the target's forward cost grows with width on this machine); (5)
+write the record with :func:`heads.package.update_package_json` (the manifest stays valid).
+``eval/decode.py`` with ``k=null`` then starts from this K*.
 
 Chains are measured for every family (Medusa: the top-1 candidate of each head), since
 per-position acceptance needs exactly one draft per position.
@@ -36,7 +36,8 @@ from eval import session
 from eval.decode import CONF_DIR
 from eval.draft import build_proposer, load_draft, settle
 from eval.kstar import measure_speculation
-from eval.proposers import Proposer, medusa_choices
+from eval.proposers import Proposer
+from eval.proposers_medusa import medusa_choices
 from eval.target_model import Target
 from heads.family import DraftFamily, TreeKind
 from heads.package import PACKAGE_JSON
@@ -64,7 +65,8 @@ def _validate(cfg: DictConfig) -> None:
     if bad:
         raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
                          "pass medusa_branchings=[] to skip the Medusa tree-shape search")
-    bad = [v for v in cfg.draft_vocab_sizes if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    bad = [v for v in cfg.draft_vocab_sizes
+           if not isinstance(v, int) or isinstance(v, bool) or v < 1]
     if bad:
         raise ValueError(f"draft_vocab_sizes takes ids counts >= 1, got {bad}; pass "
                          "draft_vocab_sizes=[] to skip the draft-vocabulary search")
@@ -289,7 +291,8 @@ def print_record(rec: dict[str, Any]) -> None:
                       f"({m['tokens_per_s']:.1f} vs {m['baseline_tokens_per_s']:.1f} tokens/s)")
     tree = rec.get("tree")
     if tree:
-        shape = f"branching {tree['branching']}" if "branching" in tree else f"depth {tree['depth']}"
+        shape = (f"branching {tree['branching']}" if "branching" in tree
+                 else f"depth {tree['depth']}")
         grid = Table(title=f"tree shapes: best {shape}, {tree['total_tokens']} nodes")
         for col in ("shape", "nodes", "tau", "tokens/s", "speedup"):
             grid.add_column(col, justify="right")
@@ -308,8 +311,9 @@ def print_record(rec: dict[str, Any]) -> None:
         for col in ("ids", "tau", "draft ms / step", "tokens/s", "speedup"):
             grid.add_column(col, justify="right")
         for g in dv["grid"]:
-            grid.add_row(str(g["size"] or "full"), f"{g['tau']:.2f}", f"{g['draft_ms_per_step']:.1f}",
-                         f"{g['tokens_per_s']:.1f}", f"{g['speedup']:.2f}x")
+            grid.add_row(str(g["size"] or "full"), f"{g['tau']:.2f}",
+                         f"{g['draft_ms_per_step']:.1f}", f"{g['tokens_per_s']:.1f}",
+                         f"{g['speedup']:.2f}x")
         console.print(grid)
 
 

@@ -112,7 +112,8 @@ def _decode_all(model: PreTrainedModel, prompts: Sequence[Mapping], gen_kw: dict
         text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
         samples.append({"id": p.get("id", i), "category": p.get("category"),
                         "prompt_ids": list(p["prompt_ids"]), "output_ids": new,
-                        "output_text": text, "tau": len(new) / counter.count if counter.count else None,
+                        "output_text": text,
+                        "tau": len(new) / counter.count if counter.count else None,
                         "target_forwards": counter.count, "wall_time_s": dt})
     return samples, wall, forwards
 
@@ -142,7 +143,8 @@ def run_peer_on(model: PreTrainedModel, prompts: Sequence[Mapping], method: str,
         raise ValueError("no prompts to decode: check prompts= and limit=")
     if method == "hf_assisted" and assistant is None:
         raise ValueError("method=hf_assisted needs a draft LM (draft=DIR of a kind 'lm' package)")
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    pad = (model.config.pad_token_id if model.config.pad_token_id is not None
+           else model.config.eos_token_id)
     gen_kw = generation_kwargs(method, temperature, max_new_tokens, k, schedule, top_k, top_p, pad)
     if assistant is not None:
         for key, val in assistant_settings(k, schedule).items():

@@ -155,8 +155,8 @@ class EagleProposer(DraftVocabMixin, Proposer):
         return Proposal.chain(drafts, None if ctx.sampling.greedy else torch.stack(qs))
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
-        """EAGLE-2 (:class:`~eval.proposers.DynamicTree`): an expanded node is fed as (its parent's head
-        output, its token), so its children come from the head's prediction after it."""
+        """EAGLE-2 (:class:`~eval.proposers.DynamicTree`): an expanded node is fed as (its parent's
+        head output, its token), so its children come from the head's prediction after it."""
         tree = DynamicTree(self.topk, self._to_target)
         hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
 
@@ -167,13 +167,15 @@ class EagleProposer(DraftVocabMixin, Proposer):
         frontier = tree.add_children(-1, log_probs(root_hidden[0])[0])
         for _ in range(2, depth + 1):
             expand = tree.expand(frontier)
-            feats = torch.stack([root_hidden[0, 0] if tree.parents[j] < 0 else hidden_of[tree.parents[j]]
+            feats = torch.stack([root_hidden[0, 0] if tree.parents[j] < 0
+                                 else hidden_of[tree.parents[j]]
                                  for j in expand]).unsqueeze(0)  # (1, n, H)
-            ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long, device=self.device)
+            ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long,
+                               device=self.device)
             mask, pos = tree.feed(expand, self.n_true)
-            out = self.head(feats, ids, past_key_values=self.cache,
+            out = self.head(feats, ids, past_key_values=self.cache,  # (1, n, H)
                             position_ids=pos.view(1, -1).to(self.device),
-                            attention_mask=mask.view(1, 1, *mask.shape).to(self.device))  # (1, n, H)
+                            attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
             logp = log_probs(out[0])  # (n, Vd)
             frontier = []
             for row, j in enumerate(expand):

@@ -68,7 +68,8 @@ DECODE_KEYS = ("target", "draft", "prompts", "limit", "max_new_tokens", "tempera
                "tree_size", "top_k", "top_p", "dtype", "device", "seed", "threads")
 JOB_KEYS = ("method", "schedule") + DECODE_KEYS
 NO_DRAFT = ("none", "null", "")
-NO_MODEL_DRAFTS = ("none", "lookup")  # drafts without a package; prompt_lookup is an alias of lookup
+# drafts without a package; prompt_lookup is an alias of lookup
+NO_MODEL_DRAFTS = ("none", "lookup")
 PROCESS_KEYS = ("threads", "dtype")  # settings that change process-wide state
 
 
@@ -254,12 +255,14 @@ def run_decoder(overrides: list[str]) -> dict:
     if callable(getattr(decode, "run_overrides", None)):
         with _outside_hydra():
             return decode.run_overrides(list(overrides))
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"draftsmith-decode-{os.getpid()}-{time.time_ns()}.json"
+    out = (Path(os.environ.get("TMPDIR", "/tmp"))
+           / f"draftsmith-decode-{os.getpid()}-{time.time_ns()}.json")
     cmd = [sys.executable, str(REPO / "eval" / "decode.py"), *overrides, f"out={out}"]
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=REPO)
         if proc.returncode != 0:
-            raise JobFailedError(f"eval/decode.py exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+            raise JobFailedError(f"eval/decode.py exited with {proc.returncode}:\n"
+                                 f"{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
     finally:
         out.unlink(missing_ok=True)
@@ -281,7 +284,8 @@ def _run_in_child(settings: dict, sweep_dir: Path, runner_spec: str,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     try:
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
         if proc.returncode != 0:
             raise JobFailedError(f"child process exited with {proc.returncode}:\n"
                                  f"{proc.stderr[-4000:]}")
@@ -322,7 +326,8 @@ def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runn
     if is_done(result_path):
         return "skipped"
     child = needs_isolation(settings, isolate)
-    meta = {"id": job_id(settings), "settings": settings, "runner": "child" if child else "inprocess",
+    meta = {"id": job_id(settings), "settings": settings,
+            "runner": "child" if child else "inprocess",
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0]}
     t0 = time.perf_counter()
     try:
@@ -331,7 +336,8 @@ def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runn
         if not (isinstance(result, Mapping) and isinstance(result.get("summary"), Mapping)
                 and isinstance(result.get("samples"), list)):
             raise TypeError("the runner must return {'summary': dict, 'samples': list}, got "
-                            f"{type(result).__name__} with keys {list(result)[:5] if isinstance(result, Mapping) else '-'}")
+                            f"{type(result).__name__} with keys "
+                            f"{list(result)[:5] if isinstance(result, Mapping) else '-'}")
         meta["elapsed_s"] = time.perf_counter() - t0
         _write_json_atomic(result_path, {"job": meta, "summary": dict(result["summary"]),
                                          "samples": list(result["samples"])})
@@ -341,7 +347,8 @@ def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runn
         meta["elapsed_s"] = time.perf_counter() - t0
         _write_json_atomic(error_path, {"job": meta, "error": {
             "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}})
-        log.error("job %s failed: %s: %s", stem, type(exc).__name__, (str(exc).splitlines() or [""])[0])
+        log.error("job %s failed: %s: %s", stem, type(exc).__name__,
+                  (str(exc).splitlines() or [""])[0])
         return "failed"
 
 

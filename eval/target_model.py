@@ -107,7 +107,8 @@ class Target:
             :class:`TargetOutput` for all prompt positions.
         """
         if prompt_ids.numel() == 0:
-            raise ValueError("prompt_ids is empty: the target needs at least one token to condition on")
+            raise ValueError("prompt_ids is empty: the target needs at least one token to "
+                             "condition on")
         self.reset()
         return self._forward(prompt_ids)
 

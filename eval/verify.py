@@ -35,7 +35,8 @@ import torch
 _EPS = 1e-12
 
 
-def warp(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def warp(logits: torch.Tensor, temperature: float, top_k: int = 0,
+         top_p: float = 1.0) -> torch.Tensor:
     """Turn logits into the sampling distribution used by both target and draft.
 
     Order: temperature, then top-k, then top-p (nucleus: the smallest set of most likely tokens
@@ -91,19 +92,22 @@ def _residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, r, res / total.clamp_min(_EPS))
 
 
-def _accept(r_x: torch.Tensor, q_x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Accept with probability ``min(1, r_x / q_x)`` elementwise: ``u * q_x < r_x`` with ``u ~ U[0,1)``."""
+def _accept(r_x: torch.Tensor, q_x: torch.Tensor,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """Accept with probability ``min(1, r_x / q_x)`` elementwise: ``u * q_x < r_x`` with
+    ``u ~ U[0,1)``."""
     u = torch.rand(r_x.shape, generator=generator, device=r_x.device)
     return u * q_x < r_x
 
 
 def verify_chain_batch(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless chain verification for a batch of independent chains.
 
     Args:
-        p: ``(B, K+1, V)`` target distributions; row ``i`` is the distribution of draft position ``i``,
-            row ``K`` the bonus distribution after all drafts.
+        p: ``(B, K+1, V)`` target distributions; row ``i`` is the distribution of draft position
+            ``i``, row ``K`` the bonus distribution after all drafts.
         q: ``(B, K, V)`` draft distributions the drafts were sampled from.
         draft: ``(B, K)`` draft token ids.
         generator: random generator (used even at temperature 0, where results are deterministic).
@@ -115,7 +119,8 @@ def verify_chain_batch(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     k = k1 - 1
     if q.shape != (b, k, v) or draft.shape != (b, k):
         raise ValueError(f"shape mismatch: p {tuple(p.shape)} needs q (B, K, V)={(b, k, v)} "
-                         f"and draft (B, K)={(b, k)}, got q {tuple(q.shape)}, draft {tuple(draft.shape)}")
+                         f"and draft (B, K)={(b, k)}, got q {tuple(q.shape)}, "
+                         f"draft {tuple(draft.shape)}")
     p = p.float()
     q = q.float()
     idx = draft.long().unsqueeze(-1)  # (B, K, 1)
@@ -151,7 +156,8 @@ def _check_tree(parents: torch.Tensor, n: int) -> None:
         raise ValueError(f"parents must have shape (N,)={(n,)}, got {tuple(parents.shape)}")
     idx = torch.arange(n, device=parents.device)
     if bool(((parents < -1) | (parents >= idx)).any()):
-        raise ValueError("tree nodes must be in topological order: -1 <= parents[j] < j for every node j")
+        raise ValueError("tree nodes must be in topological order: -1 <= parents[j] < j for every "
+                         "node j")
 
 
 def verify_tree_batch(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor,
@@ -167,8 +173,8 @@ def verify_tree_batch(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
     Args:
         p: ``(B, N+1, V)`` target distributions: row 0 at the root (the last committed token),
             row ``j+1`` after tree node ``j``.
-        q: ``(B, N, V)`` the distribution node ``j`` was drawn from, or ``None`` when every node is a
-            deterministic choice (point mass on its token).
+        q: ``(B, N, V)`` the distribution node ``j`` was drawn from, or ``None`` when every node
+            is a deterministic choice (point mass on its token).
         tokens: ``(N,)`` node token ids shared by the batch, or ``(B, N)`` per draw.
         parents: ``(N,)`` parent node index, ``-1`` for children of the root; ``parents[j] < j``.
         generator: random generator.
@@ -184,7 +190,8 @@ def verify_tree_batch(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
         raise ValueError(f"tokens must have shape (N,)={(n,)} or (B, N)={(b, n)} to match p "
                          f"(B, N+1, V), got {tuple(tokens.shape)}")
     if q is not None and q.shape != (b, n, v):
-        raise ValueError(f"q must have shape (B, N, V)={(b, n, v)} or be None, got {tuple(q.shape)}")
+        raise ValueError(f"q must have shape (B, N, V)={(b, n, v)} or be None, "
+                         f"got {tuple(q.shape)}")
     _check_tree(parents, n)
     p = p.float()
     tokens = tokens.long().to(p.device)
@@ -212,13 +219,15 @@ def verify_tree_batch(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
     return accepted, _sample(r, generator)
 
 
-def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, parents: torch.Tensor,
-                generator: torch.Generator | None = None) -> tuple[list[int], int]:
+def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor,
+                parents: torch.Tensor, generator: torch.Generator | None = None
+                ) -> tuple[list[int], int]:
     """Lossless verification of one token tree (see :func:`verify_tree_batch`).
 
     Args:
         p: ``(N+1, V)`` target distributions (row 0 at the root, row ``j+1`` after node ``j``).
-        q: ``(N, V)`` draft distributions per node, or ``None`` for deterministic (point-mass) nodes.
+        q: ``(N, V)`` draft distributions per node, or ``None`` for deterministic (point-mass)
+            nodes.
         tokens: ``(N,)`` node token ids.
         parents: ``(N,)`` parent indices (``-1`` = root), topologically ordered.
         generator: random generator.

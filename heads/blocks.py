@@ -108,7 +108,8 @@ def teacher_mask(loss_mask: Tensor, attention_mask: Tensor | None, shift: int) -
 
 
 def shifted_labels(input_ids: Tensor, shift: int) -> Tensor:
-    """(B, T) data labels for teacher offset ``shift``: ``input_ids[t+shift+1]`` (0 past the end)."""
+    """(B, T) data labels for teacher offset ``shift``: ``input_ids[t+shift+1]`` (0 past the
+    end)."""
     return shift_left(input_ids, shift + 1, 0)
 
 
@@ -131,7 +132,8 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def causal_allowed(q_len: int, past_len: int, device: torch.device) -> Tensor:
-    """(1, 1, q, past+q) bool causal mask for ``q_len`` new tokens after ``past_len`` cached ones."""
+    """(1, 1, q, past+q) bool causal mask for ``q_len`` new tokens after ``past_len`` cached
+    ones."""
     q_pos = torch.arange(q_len, device=device)[:, None] + past_len
     k_pos = torch.arange(past_len + q_len, device=device)[None, :]
     return (k_pos <= q_pos)[None, None]

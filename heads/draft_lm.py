@@ -87,22 +87,6 @@ class DraftLMConfig:
                    num_kv_heads=target_config.num_key_value_heads, **kw)
 
 
-# Size presets as plain config values; the widths match SmolLM2-135M so "target" init applies.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"num_layers": 2, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
-             "num_kv_heads": 3},
-    "small": {"num_layers": 4, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
-              "num_kv_heads": 3},
-}
-
-
-def preset(name: str, **overrides: Any) -> DraftLMConfig:
-    """Build a ``DraftLMConfig`` from a named preset in ``PRESETS`` with optional overrides."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown draft LM preset {name!r}; choose one of {sorted(PRESETS)}")
-    return DraftLMConfig(**{**PRESETS[name], **overrides})
-
-
 def default_init_layers(num_draft: int, num_target: int) -> list[int]:
     """Evenly spaced target layer ids from the first to the last (e.g. 2 of 30 -> [0, 29])."""
     if num_draft == 1:

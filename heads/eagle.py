@@ -48,6 +48,7 @@ from heads.blocks import (
     teacher_mask,
     teacher_rows,
 )
+from heads.vocab import build_vocab_map
 
 EAGLE_LAYOUTS = ("eagle1", "normed")
 
@@ -109,41 +110,6 @@ class EagleConfig:
             raise ValueError(f"unknown EagleConfig keys {sorted(unknown)}; "
                              f"allowed: {sorted(cls.__dataclass_fields__)}")
         return cls(**d)
-
-
-def build_vocab_map(token_counts: Tensor, draft_vocab_size: int,
-                    always_include: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
-    """Select the draft vocabulary: the most frequent target ids (plus ``always_include``).
-
-    Ties are broken by the smaller id. The selected ids are returned sorted ascending.
-
-    Args:
-        token_counts: (V,) counts of each target id in the training data.
-        draft_vocab_size: number of draft ids (<= V).
-        always_include: target ids that must be in the draft vocabulary (e.g. EOS).
-
-    Returns:
-        ``d2t`` (V_draft,) long, the target id of each draft id, and ``t2d`` (V,) bool.
-    """
-    counts = torch.as_tensor(token_counts).flatten().to(torch.float64)
-    vocab = counts.numel()
-    if not 1 <= draft_vocab_size <= vocab:
-        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), "
-                         f"got {draft_vocab_size}")
-    forced = sorted({int(i) for i in always_include})
-    if any(not 0 <= i < vocab for i in forced):
-        raise ValueError(f"always_include ids must be in 0..{vocab - 1}, got {forced}")
-    if len(forced) > draft_vocab_size:
-        raise ValueError(f"always_include has {len(forced)} ids, more than draft_vocab_size "
-                         f"{draft_vocab_size}")
-    score = counts.clone()
-    score[forced] = float("inf")
-    # Stable sort on descending counts keeps smaller ids first among ties.
-    order = torch.sort(-score, stable=True).indices
-    d2t = torch.sort(order[:draft_vocab_size]).values.long()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[d2t] = True
-    return d2t, t2d
 
 
 def head_llama_config(target_config: LlamaConfig) -> LlamaConfig:
@@ -389,7 +355,8 @@ def fuse_features(layers: Tensor, layer_ids: Sequence[int], fuse_layers: Sequenc
 
 def _ttt_allowed(seq: int, step: int, pad: Tensor | None, bsz: int,
                  device: torch.device) -> Tensor:
-    """(B, 1, T, step*T) bool mask for unrolling step ``step`` (1-based); see the unrolled forward."""
+    """(B, 1, T, step*T) bool mask for unrolling step ``step`` (1-based); see the unrolled
+    forward."""
     causal = causal_allowed(seq, 0, device)[0, 0]  # (T, T)
     blocks = [causal] + [torch.eye(seq, dtype=torch.bool, device=device)] * (step - 1)
     allowed = torch.cat(blocks, dim=-1)[None, None].expand(bsz, 1, seq, step * seq).clone()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from data.target import TargetIdentity
 from heads.family import FAMILIES, WEIGHTS, DraftFamily, get_family
@@ -73,6 +74,45 @@ def eagle1_to_ours(state: dict[str, torch.Tensor], hidden: int,
     return out
 
 
+def _read_hf(weights: Path, family: DraftFamily, cfg: Any, info: dict, target: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(weights.parent, dtype=torch.float32)
+
+
+def _read_medusa(weights: Path, family: DraftFamily, cfg: Any, info: dict,
+                 target: Any) -> nn.Module:
+    module = family.empty_head(cfg, info["target"], None, None)
+    module.load_state_dict(medusa_from_reference(load_file(str(weights)), cfg.num_layers))
+    return module
+
+
+def _eagle1_head(state: dict[str, torch.Tensor], family: DraftFamily, cfg: Any, info: dict,
+                 target: Any) -> nn.Module:
+    """An EAGLE head (layout=eagle1: the engines' structure) from EAGLE-1 tensor names."""
+    module = family.empty_head(cfg, info["target"], target_config(info, target),
+                               None if target is None else target.model)
+    ours = eagle1_to_ours(state, info["target"]["hidden_size"], module.fc.bias is not None)
+    module.load_trainable_state_dict({k: v.float() for k, v in ours.items()})
+    return module
+
+
+def _read_eagle(weights: Path, family: DraftFamily, cfg: Any, info: dict,
+                target: Any) -> nn.Module:
+    return _eagle1_head(load_file(str(weights)), family, cfg, info, target)
+
+
+def _read_speculators(weights: Path, family: DraftFamily, cfg: Any, info: dict,
+                      target: Any) -> nn.Module:
+    state = rename_prefix(rename_prefix(load_file(str(weights)), "fusion_fc.", "fc."),
+                          "transformer.", "layers.0.")
+    return _eagle1_head(state, family, cfg, info, target)
+
+
+READERS = {"hf": _read_hf, "medusa": _read_medusa, "eagle": _read_eagle,
+           "speculators": _read_speculators}
+
+
 def import_export(path: str | Path, target: Any = None,
                   allow_unverified: bool = False) -> DraftPackage:
     """Load an export made by ``scripts/export.py`` back into draftsmith's heads (round trip).
@@ -89,24 +129,7 @@ def import_export(path: str | Path, target: Any = None,
     family = get_family(kind)
     cfg = family.config_class.from_dict(meta["head_config"])
     info = {"target": meta["target"], "target_config": meta.get("target_config")}
-    state = load_file(str(root / WEIGHTS_FILE[fmt])) if fmt != "hf" else {}
-    h = meta["target"]["hidden_size"]
-    if fmt == "hf":
-        from transformers import AutoModelForCausalLM
-        module = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
-    elif fmt == "medusa":
-        module = family.empty_head(cfg, meta["target"], None, None)
-        module.load_state_dict(medusa_from_reference(state, cfg.num_layers))
-    else:
-        if fmt == "speculators":
-            state = rename_prefix(rename_prefix(state, "fusion_fc.", "fc."),
-                                  "transformer.", "layers.0.")
-        # layout=eagle1: the engines' structure
-        module = family.empty_head(cfg, meta["target"], target_config(info, target),
-                                   None if target is None else target.model)
-        with_bias = module.fc.bias is not None
-        module.load_trainable_state_dict({k: v.float() for k, v in
-                                          eagle1_to_ours(state, h, with_bias).items()})
+    module = READERS[fmt](root / WEIGHTS_FILE[fmt], family, cfg, info, target)
     module.float().eval()
     spec = root / "speculation.json"
     return DraftPackage(kind=kind, module=module, head_config=cfg,

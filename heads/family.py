@@ -238,7 +238,7 @@ class MedusaFamily(DraftFamily):
 
     name = "medusa"
     config_class = medusa.MedusaConfig
-    proposer = "eval.proposers.MedusaProposer"
+    proposer = "eval.proposers_medusa.MedusaProposer"
     tree = TreeKind.STATIC
     tree_by_default = True
     export_formats = ("medusa",)

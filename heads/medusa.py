@@ -129,7 +129,8 @@ class MedusaHeads(nn.Module):
 def build_medusa(cfg: MedusaConfig, target_model: PreTrainedModel) -> MedusaHeads:
     """Medusa heads for ``target_model`` with LM heads copied from the target (its dtype)."""
     w = target_model.get_output_embeddings().weight
-    heads = MedusaHeads(cfg, hidden_size=w.shape[1], vocab_size=w.shape[0]).to(master_dtype(w.dtype))
+    heads = MedusaHeads(cfg, hidden_size=w.shape[1],
+                        vocab_size=w.shape[0]).to(master_dtype(w.dtype))
     heads.init_lm_heads(w)
     return heads
 

@@ -345,7 +345,8 @@ def load_package(pkg_dir: str | Path, target: Any = None,
         hint = ""
         if list(root.parent.glob(f"{root.name}.old-*")):
             hint = " (a previous save was interrupted; the old package is beside it as .old-<pid>)"
-        raise PackageIntegrityError(root, [f"'{PACKAGE_JSON}' is missing: not a draft package{hint}"])
+        raise PackageIntegrityError(root,
+                                    [f"'{PACKAGE_JSON}' is missing: not a draft package{hint}"])
     manifest = verify_folder(root, allow_unverified)
     info = json.loads((root / PACKAGE_JSON).read_text())
     _check_info(root, info, manifest, allow_unverified)

@@ -44,8 +44,8 @@ def counts_from_record(record: dict[str, Any], vocab_size: int, where: str = TOK
                        ) -> Tensor:
     """The dense ``(vocab_size,)`` counts of a :func:`frequency_record`."""
     if int(record.get("vocab_size", -1)) != vocab_size:
-        raise ValueError(f"{where} counts a vocabulary of {record.get('vocab_size')} ids, the target "
-                         f"has {vocab_size}: the record belongs to another target")
+        raise ValueError(f"{where} counts a vocabulary of {record.get('vocab_size')} ids, "
+                         f"the target has {vocab_size}: the record belongs to another target")
     ids, counts = record.get("ids"), record.get("counts")
     if not isinstance(ids, list) or not isinstance(counts, list) or len(ids) != len(counts):
         raise ValueError(f"{where} is malformed: 'ids' and 'counts' must be lists of one length")
@@ -75,6 +75,39 @@ def package_token_counts(pkg_dir: str | Path, vocab_size: int) -> Tensor:
 
 def frequent_ids(counts: Tensor, size: int, always_include: Sequence[int] = ()) -> Tensor:
     """The ``size`` most frequent ids (plus ``always_include``, e.g. EOS), sorted ascending."""
-    from heads.eagle import build_vocab_map
-
     return build_vocab_map(counts, int(size), always_include)[0]
+
+
+def build_vocab_map(token_counts: Tensor, draft_vocab_size: int,
+                    always_include: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
+    """Select the draft vocabulary: the most frequent target ids (plus ``always_include``).
+
+    Ties are broken by the smaller id. The selected ids are returned sorted ascending.
+
+    Args:
+        token_counts: (V,) counts of each target id in the training data.
+        draft_vocab_size: number of draft ids (<= V).
+        always_include: target ids that must be in the draft vocabulary (e.g. EOS).
+
+    Returns:
+        ``d2t`` (V_draft,) long, the target id of each draft id, and ``t2d`` (V,) bool.
+    """
+    counts = torch.as_tensor(token_counts).flatten().to(torch.float64)
+    vocab = counts.numel()
+    if not 1 <= draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), "
+                         f"got {draft_vocab_size}")
+    forced = sorted({int(i) for i in always_include})
+    if any(not 0 <= i < vocab for i in forced):
+        raise ValueError(f"always_include ids must be in 0..{vocab - 1}, got {forced}")
+    if len(forced) > draft_vocab_size:
+        raise ValueError(f"always_include has {len(forced)} ids, more than draft_vocab_size "
+                         f"{draft_vocab_size}")
+    score = counts.clone()
+    score[forced] = float("inf")
+    # Stable sort on descending counts keeps smaller ids first among ties.
+    order = torch.sort(-score, stable=True).indices
+    d2t = torch.sort(order[:draft_vocab_size]).values.long()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[d2t] = True
+    return d2t, t2d

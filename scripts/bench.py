@@ -318,7 +318,8 @@ def bench_fallback(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
                             if m == "defaults":
                                 stats.append(res.stats)
                 med = {m: [statistics.median(v) for v in per] for m, per in tps.items()}
-                ratio = {m: [a / b for a, b in zip(med[m], med["plain"])] for m in ("fixed", "defaults")}
+                ratio = {m: [a / b for a, b in zip(med[m], med["plain"])]
+                         for m in ("fixed", "defaults")}
                 merged = DecodeStats.merge(stats)
                 out.append({"draft": name, "temperature": t, "k_fixed": k_fixed,
                             "k_defaults": k_auto, "k_defaults_source": auto_src,
@@ -354,7 +355,8 @@ def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> li
         target.prefill(torch.tensor(records[0]["prompt_ids"]))
         t = forward_costs(target, list(cfg.forward_costs.widths), int(cfg.forward_costs.repeats))
         out.append({"dtype": name, "context_tokens": len(records[0]["prompt_ids"]),
-                    "repeats": int(cfg.forward_costs.repeats), "ms": {w: v * 1e3 for w, v in t.items()}})
+                    "repeats": int(cfg.forward_costs.repeats),
+                    "ms": {w: v * 1e3 for w, v in t.items()}})
         del model, target
     return out
 
@@ -381,10 +383,12 @@ def write_markdown(res: dict, path: Path) -> None:
              "and transformers generate on the same prompt in this run, median over prompts. "
               "Same as plain (T=0): share of prompts with output identical to plain decoding."),
              "",
-             "| T | method | K | tokens/s | vs plain | vs generate | tau | accept | same as plain |",
+             ("| T | method | K | tokens/s | vs plain | vs generate | tau | accept | "
+              "same as plain |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["decoding"]:
-        k = "-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"] else str(r["k"])
+        k = ("-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"]
+             else str(r["k"]))
         if r.get("tree_size"):
             k += f", {r['tree_size']} nodes"
         if r.get("draft_vocab"):
@@ -400,7 +404,8 @@ def write_markdown(res: dict, path: Path) -> None:
                    "the same K (chain length, or tree depth for the dynamic tree); median over "
                    "prompts. Stock transformers, and transformers with the native-GQA attention "
                    "our forwards use (`TRANSFORMERS_SDPA_FORCE_GQA=1`)."), "",
-                  "| T | ours | K | vs assisted | vs assisted, native GQA |", "|---|---|---|---|---|"]
+                  "| T | ours | K | vs assisted | vs assisted, native GQA |",
+                  "|---|---|---|---|---|"]
         for r in vs_assisted:
             lines.append(f"| {r['temperature']:g} | {r['method']} | {r['k']} | "
                          f"{r['speedup_vs_hf_assisted']:.2f}x | "
@@ -424,9 +429,10 @@ def write_markdown(res: dict, path: Path) -> None:
     if res["forward_costs"]:
         widths = list(res["forward_costs"][0]["ms"])
         lines += ["", "## Target forward cost per number of new tokens", "",
-                  (f"Median of {res['forward_costs'][0]['repeats']} cached forwards after the first "
-                   f"question's {res['forward_costs'][0]['context_tokens']}-token prompt, in ms "
-                   "(ratio to 1 token). 1 token is a plain step; K + 1 tokens verify K drafts."),
+                  (f"Median of {res['forward_costs'][0]['repeats']} cached forwards after the "
+                   f"first question's {res['forward_costs'][0]['context_tokens']}-token prompt, "
+                   "in ms (ratio to 1 token). 1 token is a plain step; K + 1 tokens verify K "
+                   "drafts."),
                   "", "| dtype | " + " | ".join(str(w) for w in widths) + " |",
                   "|---|" + "---|" * len(widths)]
         for f in res["forward_costs"]:

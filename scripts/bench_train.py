@@ -86,7 +86,8 @@ def step_rates(records: list[dict], warmup_steps: int) -> dict[str, Any]:
     if base is None or len(after) < 1:
         return out
     last = after[-1]
-    out["tokens_per_s"] = (last["tokens"] - base["tokens"]) / (last["elapsed_s"] - base["elapsed_s"])
+    out["tokens_per_s"] = ((last["tokens"] - base["tokens"])
+                           / (last["elapsed_s"] - base["elapsed_s"]))
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip([base, *after[:-1]], after)]
     out["median_step_s"] = statistics.median(times)
     out["tokens_per_step"] = (last["tokens"] - base["tokens"]) / len(after)

@@ -97,7 +97,8 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     print(f"  K* on this machine     {spec['k_star']} (expected speedup "
           f"{spec['expected_speedup'].get(str(spec['k_star']), float('nan')):.2f}x; K* = 0 means "
           "plain decoding is fastest here)")
-    print(f"  served (greedy, chain K={s['k']}) tau {s['tau']:.2f}, acceptance {s['acceptance_rate']:.3f}, "
+    print(f"  served (greedy, chain K={s['k']}) tau {s['tau']:.2f}, "
+          f"acceptance {s['acceptance_rate']:.3f}, "
           f"alpha per position {fmt(s['alpha'][:4])}")
     print(f"  speed                  {s['tokens_per_s']:.1f} tok/s, {s['speedup']:.2f}x plain "
           "decoding measured in the same run")

@@ -25,6 +25,7 @@ import json
 import logging
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +171,22 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- writers
-def _write_hf(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int, tokenizer: Any) -> None:
+@dataclass(frozen=True)
+class WriteOptions:
+    """What a writer needs besides the package: weight dtype, advertised draft length, the
+    verifier's name or path, the engine (EAGLE-1 flavour) and the target's tokenizer."""
+
+    dtype: torch.dtype
+    k: int
+    verifier: str
+    engine: str
+    tokenizer: Any = None
+
+
+def _write_hf(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
+    dtype, tokenizer = opts.dtype, opts.tokenizer
     model = pkg.module.to(dtype)
-    model.generation_config.num_assistant_tokens = k
+    model.generation_config.num_assistant_tokens = opts.k
     model.generation_config.num_assistant_tokens_schedule = "constant"
     model.save_pretrained(tmp, safe_serialization=True)
     copied = [n for n in TOKENIZER_FILES if (pkg.path / n).is_file()]
@@ -182,7 +196,8 @@ def _write_hf(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int, tokenize
         tokenizer.save_pretrained(tmp)
 
 
-def _write_medusa(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, verifier: str) -> None:
+def _write_medusa(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
+    dtype, verifier = opts.dtype, opts.verifier
     cfg, ident = pkg.head_config, pkg.info["target"]
     state = medusa_to_reference(pkg.module.state_dict(), cfg.num_layers)
     _save(state, tmp / MEDUSA_WEIGHTS, dtype)
@@ -194,7 +209,8 @@ def _write_medusa(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, verifier: st
         "torch_dtype": str(dtype).removeprefix("torch.")})
 
 
-def _write_eagle(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, engine: str) -> None:
+def _write_eagle(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
+    dtype, engine = opts.dtype, opts.engine
     _refuse(eagle1_incompatibilities(pkg, engine), "EAGLE-1")
     h = pkg.info["target"]["hidden_size"]
     # SGLang's fc always has a bias: give a bias-free head an explicit zero one
@@ -206,8 +222,8 @@ def _write_eagle(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, engine: str) 
     _write_json(tmp / "config.json", cfg)
 
 
-def _write_speculators(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int,
-                       verifier: str) -> None:
+def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
+    dtype, k, verifier = opts.dtype, opts.k, opts.verifier
     # vllm serves this format with its EAGLE-1 model, whose fc has no bias
     _refuse(eagle1_incompatibilities(pkg, engine="vllm"), "speculators 'eagle'")
     h = pkg.info["target"]["hidden_size"]
@@ -232,6 +248,10 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, dtype: torch.dtype, k: int,
             "verifier": {"name_or_path": verifier,
                          "architectures": pkg.info["target_config"].get("architectures")
                          or ["LlamaForCausalLM"]}}})
+
+
+WRITERS = {"hf": _write_hf, "medusa": _write_medusa, "eagle": _write_eagle,
+           "speculators": _write_speculators}
 
 
 # ----------------------------------------------------------------------------- export
@@ -269,19 +289,14 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     out = Path(out)
     tmp = fresh_tmp_dir(out)
     try:
-        if fmt == "hf":
-            _write_hf(pkg, tmp, dtype, k, getattr(target, "tokenizer", None))
-        elif fmt == "medusa":
-            _write_medusa(pkg, tmp, dtype, verifier)
-        elif fmt == "eagle":
-            _write_eagle(pkg, tmp, dtype, engine)
-        else:
-            _write_speculators(pkg, tmp, dtype, k, verifier)
+        WRITERS[fmt](pkg, tmp, WriteOptions(dtype, k, verifier, engine,
+                                            getattr(target, "tokenizer", None)))
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
         if (pkg.path / TOKEN_FREQUENCY).is_file():  # the draft vocabulary of speculation.json
             shutil.copyfile(pkg.path / TOKEN_FREQUENCY, tmp / TOKEN_FREQUENCY)
-        src = json.loads((pkg.path / MANIFEST).read_text()) if (pkg.path / MANIFEST).is_file() else {}
+        src = (json.loads((pkg.path / MANIFEST).read_text()) if (pkg.path / MANIFEST).is_file()
+               else {})
         write_manifest(tmp, {
             "format_version": FORMAT_VERSION, "export_format": fmt, "engine": engine,
             "draft_kind": pkg.kind, "target": pkg.info["target"],

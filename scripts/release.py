@@ -67,7 +67,8 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
         source_manifest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
         record = {"source_package": str(draft), "source_manifest_sha256": source_manifest,
                   "weights_dtype": dtype, "command": command,
-                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                      timespec="seconds")}
         (tmp / "release.json").write_text(json.dumps(record, indent=2))
         old = json.loads((src / MANIFEST).read_text())
         write_manifest(tmp, {k: v for k, v in old.items() if k != "files"})

@@ -88,3 +88,67 @@ def real_target():
     from data.target import load_target
 
     return load_target()
+
+
+# ----- a tiny target saved with a chat tokenizer, a question file and draft packages -----------
+# shared by tests/eval/test_decode_cli.py (decode, measure) and tests/scripts/test_bench.py
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a short poem.", "Again."]},
+    {"question_id": 82, "category": "math", "turns": ["What is 12 plus 30?"]},
+    {"question_id": 83, "category": "coding", "turns": ["Print hello in code."]},
+]
+
+
+def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Add small seeded noise to every trainable parameter (a draft that partly agrees)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return module.eval()
+
+
+@pytest.fixture(scope="session")
+def decode_setup(tmp_path_factory):
+    """A tiny target dir (weights + chat tokenizer), a question file and a draft LM package.
+
+    Session-scoped: built once for every test file that decodes, measures or benchmarks on it;
+    tests copy a package before changing it.
+    """
+    import json
+
+    from data.target import load_target
+    from heads.draft_lm import DraftLMConfig, build_draft_lm
+    from heads.package import save_package
+
+    root = tmp_path_factory.mktemp("decode_cli")
+    target_dir = root / "target"
+    tiny_llama(seed=0).save_pretrained(target_dir)
+    make_char_tokenizer().save_pretrained(target_dir)
+    loaded = load_target(target_dir)
+    questions = root / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    cfg = DraftLMConfig.matching(loaded.model.config, 1, init="target")
+    draft = randomize(build_draft_lm(cfg, loaded.model), seed=1)  # partly agrees with the target
+    pkg = save_package(root / "lm", "lm", draft, cfg, loaded.identity, tokenizer=loaded.tokenizer)
+    return {"root": root, "target": target_dir, "loaded": loaded, "questions": questions, "lm": pkg}
+
+
+def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
+    """The ``kind`` ("lm", "medusa", "eagle") package on ``decode_setup``'s target and the
+    export format that reads back as it."""
+    from heads.eagle import EagleConfig, build_eagle
+    from heads.medusa import MedusaConfig, build_medusa
+    from heads.package import save_package
+
+    model, ident = setup["loaded"].model, setup["loaded"].identity
+    if kind == "lm":
+        return setup["lm"], "hf"
+    if kind == "medusa":
+        cfg = MedusaConfig(num_heads=3, num_layers=1)
+        module, fmt = randomize(build_medusa(cfg, model), seed=2), "medusa"
+    else:
+        cfg = EagleConfig()
+        module, fmt = randomize(build_eagle(cfg, model), seed=3), "eagle"
+    return save_package(setup["root"] / kind, kind, module, cfg, ident), fmt

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 def _get(cfg: DictConfig, key: str) -> Any:
     value = OmegaConf.select(cfg, key, throw_on_missing=False)
     if value is None and OmegaConf.select(cfg, key, default="__absent__") == "__absent__":
-        raise ConfigError(f"config key '{key}' is missing; add it to your config or pass {key}=VALUE")
+        raise ConfigError(f"config key '{key}' is missing; add it to your config or pass "
+                          f"{key}=VALUE")
     return value
 
 
@@ -71,9 +72,11 @@ def validate_config(cfg: DictConfig) -> None:
     loss_weights = _get(cfg, "loss.weights") or {}
     unknown = sorted(set(loss_weights) - set(LOSS_TERMS))
     if unknown:
-        raise ConfigError(f"loss.weights has unknown terms {unknown}; allowed: {', '.join(LOSS_TERMS)}")
+        raise ConfigError(f"loss.weights has unknown terms {unknown}; "
+                          f"allowed: {', '.join(LOSS_TERMS)}")
     if any(w < 0 for w in loss_weights.values()) or sum(loss_weights.values()) <= 0:
-        raise ConfigError(f"loss.weights={dict(loss_weights)} must be non-negative with a positive sum")
+        raise ConfigError(f"loss.weights={dict(loss_weights)} must be non-negative with a "
+                          "positive sum")
     _positive(cfg, "loss.temperature", float)
     try:
         get_family(cfg.draft.kind).validate(OmegaConf.to_container(cfg.draft, resolve=True))

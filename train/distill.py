@@ -4,7 +4,8 @@
     accelerate launch train/distill.py                                  # EAGLE head, defaults
     accelerate launch train/distill.py experiment=quickstart            # the `make demo` run
     accelerate launch train/distill.py draft=medusa loss=tvd optim.lr=1e-3
-    accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml train/distill.py launcher=deepspeed_zero2
+    accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml train/distill.py \\
+        launcher=deepspeed_zero2
 
 The recipe is one class: ``setup`` (accelerator, target, feature cache, draft, optimizer),
 ``train`` (the loop, validation, checkpoints), ``save_package`` and ``cleanup``. Components live in
@@ -123,9 +124,10 @@ class DistillRecipe:
         self.val_set = FeatureDataset(val_dir)
         if len(self.train_set) < cfg.train.micro_batch_size * acc.num_processes:
             raise ConfigError(
-                f"the training split has {len(self.train_set)} sequences, fewer than one global batch "
-                f"(train.micro_batch_size={cfg.train.micro_batch_size} x {acc.num_processes} processes); "
-                "use more data (data.num_conversations) or a smaller batch")
+                f"the training split has {len(self.train_set)} sequences, fewer than one global "
+                f"batch (train.micro_batch_size={cfg.train.micro_batch_size} x "
+                f"{acc.num_processes} processes); use more data (data.num_conversations) "
+                "or a smaller batch")
 
         # 3. draft, frozen teacher LM head, loss
         torch.manual_seed(cfg.seed)
@@ -328,8 +330,9 @@ class DistillRecipe:
                 step_tokens = self._train_step(model, batches, step_parts)
             tokens_seen += step_tokens
             if counting:
-                self.steplog.log_train(self.step + 1, {"flops_first_step": counter.get_total_flops(),
-                                                       "tokens_first_step": step_tokens})
+                self.steplog.log_train(self.step + 1,
+                                       {"flops_first_step": counter.get_total_flops(),
+                                        "tokens_first_step": step_tokens})
             self.scheduler.step()
             self.step += 1
             progress.update(1)

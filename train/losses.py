@@ -347,66 +347,6 @@ class DistillLoss(nn.Module):
         return total, parts
 
 
-class _SingleTerm(nn.Module):
-    """One distillation term; see the module docstring for the call and shapes."""
-
-    term = ""
-
-    def __init__(self, temperature: float = 1.0, renormalize: bool = False,
-                 chunk_size: int = 256, **kw: float) -> None:
-        super().__init__()
-        self.mix = DistillLoss({self.term: 1.0}, temperature=temperature,
-                               renormalize=renormalize, chunk_size=chunk_size, **kw)
-
-    def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
-                mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
-                lm_head_weight: Tensor | None = None, draft_to_target: Tensor | None = None,
-                labels: Tensor | None = None) -> Tensor:
-        """Scalar mean of the term over masked entries (see ``DistillLoss.forward_with_parts``)."""
-        return self.mix(student_logits, teacher_logits, mask, teacher_hidden=teacher_hidden,
-                        lm_head_weight=lm_head_weight, draft_to_target=draft_to_target,
-                        labels=labels)
-
-
-class ForwardKLLoss(_SingleTerm):
-    """KL(p || q), mass-covering."""
-
-    term = "fkl"
-
-
-class ReverseKLLoss(_SingleTerm):
-    """KL(q || p), mode-seeking."""
-
-    term = "rkl"
-
-
-class TVDLoss(_SingleTerm):
-    """1 - sum_v min(p, q): the expected rejection rate of speculative sampling."""
-
-    term = "tvd"
-
-
-class JSDLoss(_SingleTerm):
-    """Generalised JSD: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q."""
-
-    term = "jsd"
-
-    def __init__(self, beta: float = 0.5, temperature: float = 1.0, renormalize: bool = False,
-                 chunk_size: int = 256) -> None:
-        super().__init__(temperature, renormalize, chunk_size, beta=beta)
-
-
-class HardCELoss(_SingleTerm):
-    """-log q(y): y is the teacher's argmax (``on="teacher"``) or the data token (``on="data"``)."""
-
-    def __init__(self, on: str = "teacher", temperature: float = 1.0, renormalize: bool = False,
-                 chunk_size: int = 256) -> None:
-        if on not in ("teacher", "data"):
-            raise ValueError(f"HardCELoss(on=...) must be 'teacher' or 'data', got {on!r}")
-        self.term = "ce" if on == "teacher" else "ce_data"
-        super().__init__(temperature, renormalize, chunk_size)
-
-
 def feature_regression(pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
     """Smooth-L1 (beta 1) between predicted and target features, averaged over H and then over
     masked entries: EAGLE's regression of the target's next hidden state.

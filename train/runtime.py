@@ -81,8 +81,9 @@ def make_accelerator(cfg: DictConfig):
     if not has_cuda and world > 1:
         if use_fsdp or "FSDP" in cfg.launcher.distributed_type:
             raise ConfigError(
-                "launcher=fsdp: accelerate applies FSDP only on CUDA devices; on CPU it would run "
-                "plain or wrong data parallelism. Use launcher=ddp or launcher=deepspeed_zero2 here")
+                "launcher=fsdp: accelerate applies FSDP only on CUDA devices; on CPU it would "
+                "run plain or wrong data parallelism. Use launcher=ddp or "
+                "launcher=deepspeed_zero2 here")
         if use_deepspeed:
             # gloo process group; Accelerator(cpu=True) would silently drop DeepSpeed.
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
@@ -97,7 +98,8 @@ def make_accelerator(cfg: DictConfig):
         os.environ.setdefault("WANDB_DIR", str(Path(cfg.out_dir).resolve()))
         os.environ.setdefault("WANDB_CACHE_DIR", str(Path(cfg.out_dir).resolve() / "wandb-cache"))
     acc = Accelerator(gradient_accumulation_steps=cfg.train.grad_accum, mixed_precision=mp,
-                      log_with=log_with, project_dir=cfg.out_dir, kwargs_handlers=handlers, **kwargs)
+                      log_with=log_with, project_dir=cfg.out_dir, kwargs_handlers=handlers,
+                      **kwargs)
     _check_launch(cfg, acc)
     return acc
 
@@ -107,8 +109,8 @@ def _check_launch(cfg: DictConfig, acc) -> None:
     dtype = acc.distributed_type.name
     if dtype not in list(launcher.distributed_type):
         raise ConfigError(
-            f"launcher={launcher.name} expects distributed type {list(launcher.distributed_type)} but "
-            f"accelerate launched {dtype} with {acc.num_processes} process(es). Launch with: "
+            f"launcher={launcher.name} expects distributed type {list(launcher.distributed_type)} "
+            f"but accelerate launched {dtype} with {acc.num_processes} process(es). Launch with: "
             f"accelerate launch --config_file {launcher.accelerate_config} train/distill.py "
             f"launcher={launcher.name}")
     if launcher.num_processes is not None and acc.num_processes != launcher.num_processes:
@@ -157,20 +159,23 @@ def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ra
         if step < warmup_steps:
             return (step + 1) / max(1, warmup_steps)
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return (min_lr_ratio
+                + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class StepLog:
-    """Rank-0 logging: ``train_log.jsonl`` always, plus the configured tracker and a progress bar."""
+    """Rank-0 logging: ``train_log.jsonl`` always, plus the configured tracker and a progress
+    bar."""
 
     def __init__(self, accelerator, cfg: DictConfig, out_dir: Path):
         self.acc = accelerator
         self.path = Path(out_dir) / "train_log.jsonl"
         if cfg.logging.log_with != "none":
             config = OmegaConf.to_container(cfg, resolve=True)
-            flat = {k: v for k, v in _flatten(config).items() if isinstance(v, (int, float, str, bool))}
+            flat = {k: v for k, v in _flatten(config).items()
+                    if isinstance(v, (int, float, str, bool))}
             accelerator.init_trackers(cfg.logging.project, config=flat,
                                       init_kwargs={"wandb": {"name": cfg.name}})
 

@@ -78,7 +78,8 @@ class TrainableDraft:
         draft = unwrapped.draft if isinstance(unwrapped, DistillModule) else unwrapped
         extra = dict(extra_json)
         if train_log is not None and Path(train_log).is_file():
-            records = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line]
+            records = [json.loads(line) for line in Path(train_log).read_text().splitlines()
+                       if line]
             extra["train_log.json"] = {"records": records}
         return save_package(out_dir, self.kind, draft, self.head_config, self.identity,
                             tokenizer=self.tokenizer, extra_json=extra, train_config=train_config,

@@ -12,14 +12,13 @@ from eval.decoder import SpeculativeDecoder
 from eval.proposers import (
     DecodeContext,
     DraftLMProposer,
-    MedusaProposer,
     PlainProposer,
     PromptLookupProposer,
     Proposal,
     Proposer,
-    medusa_choices,
 )
 from eval.proposers_eagle import EagleProposer
+from eval.proposers_medusa import MedusaProposer, medusa_choices
 from eval.target_model import Target
 from tests.conftest import tiny_llama
 
@@ -96,7 +95,8 @@ def make_proposer(name: str, model):
     raise ValueError(name)
 
 
-ALL = ["plain", "lookup", "lm-self", "lm-other", "lm-tree", "medusa", "eagle", "eagle-tree", "oracle-tree"]
+ALL = ["plain", "lookup", "lm-self", "lm-other", "lm-tree", "medusa", "eagle", "eagle-tree",
+       "oracle-tree"]
 
 
 @pytest.mark.parametrize("name", ALL)

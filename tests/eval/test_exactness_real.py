@@ -20,8 +20,8 @@ QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a short poem."]},
     {"question_id": 2, "category": "math", "turns": ["What is 12 plus 30?"]},
 ]
-STANDIN_NAMES = {"plain", "lookup", "lm-chain@untrained", "lm-tree@untrained", "medusa-tree@untrained",
-                 "eagle-chain@untrained", "eagle-tree@untrained"}
+STANDIN_NAMES = {"plain", "lookup", "lm-chain@untrained", "lm-tree@untrained",
+                 "medusa-tree@untrained", "eagle-chain@untrained", "eagle-tree@untrained"}
 
 
 def _last_hidden(model, ids: list[int]) -> torch.Tensor:
@@ -31,7 +31,8 @@ def _last_hidden(model, ids: list[int]) -> torch.Tensor:
 
 def _boost(model, ids: list[int], tokens: list[int], margin: float) -> None:
     """Give ``tokens`` the same logit, ``margin`` above the current maximum, after ``ids``
-    (tied embeddings: the rows are also input embeddings, so ``tokens`` must not occur in ``ids``)."""
+    (tied embeddings: the rows are also input embeddings, so ``tokens`` must not occur in
+    ``ids``)."""
     h = _last_hidden(model, ids)
     with torch.no_grad():
         top = model(torch.tensor([ids])).logits[0, -1].max()
@@ -122,8 +123,8 @@ def tiny_setup(tmp_path_factory):
 
 def _tiny_overrides(setup, *extra: str) -> list[str]:
     return [f"target_path={setup['target']}", f"prompts=[{setup['questions']}]", "per_set=2",
-            "max_new_tokens=12", "k=3", "tree_topk=3", "tree_size=10", "standins.medusa.num_heads=3",
-            *extra]
+            "max_new_tokens=12", "k=3", "tree_topk=3", "tree_size=10",
+            "standins.medusa.num_heads=3", *extra]
 
 
 def test_tiny_check_passes_for_every_standin_proposer(tiny_setup):
@@ -155,12 +156,14 @@ def test_tiny_check_covers_a_frequent_token_draft_vocabulary(tiny_setup):
     pkg = save_package(tiny_setup["root"] / "lm", "lm", build_draft_lm(cfg, loaded.model).eval(),
                        cfg, loaded.identity, tokenizer=loaded.tokenizer)
     vocab = loaded.model.config.vocab_size
-    update_package_json(pkg, "token_frequency.json", frequency_record(torch.arange(vocab, 0, -1), "t"))
+    update_package_json(pkg, "token_frequency.json",
+                        frequency_record(torch.arange(vocab, 0, -1), "t"))
     res = exactness.run_overrides(_tiny_overrides(tiny_setup, f"drafts=[{pkg}]", "draft_vocab=40"),
                                   loaded)
     assert set(res["proposers"]) == {"plain", "lookup", "lm-chain@lm", "lm-tree@lm",
                                      "lm-chain/40ids@lm", "lm-tree/40ids@lm"}
-    assert res["passed"] and all(r["identical"] == r["total"] == 2 for r in res["proposers"].values())
+    assert res["passed"]
+    assert all(r["identical"] == r["total"] == 2 for r in res["proposers"].values())
 
 
 def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monkeypatch):

@@ -60,7 +60,8 @@ def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def chain_step(toy: Toy, seq: torch.Tensor, length: int, k: int, g: torch.Generator):
-    """One speculative chain step for draws sharing ``length``: returns new tokens (B, k+1), count."""
+    """One speculative chain step for draws sharing ``length``: returns new tokens (B, k+1),
+    count."""
     b = seq.shape[0]
     work = seq.clone()
     qs, ps = [], []
@@ -137,8 +138,9 @@ def sample_outputs(toy: Toy, mode: str, seed: int) -> torch.Tensor:
             if mode == "chain":
                 new, count = chain_step(toy, seq[rows], length, k, g)
             else:
-                new, count = tree_step(toy, seq[rows], length, k, g, sampled=mode == "tree-sampled") \
-                    if k > 0 else chain_step(toy, seq[rows], length, 0, g)
+                new, count = (tree_step(toy, seq[rows], length, k, g,
+                                        sampled=mode == "tree-sampled")
+                              if k > 0 else chain_step(toy, seq[rows], length, 0, g))
             for i in range(new.shape[1]):
                 write = (i < count) & (length + i < NEW)
                 idx = rows[write]
@@ -209,7 +211,8 @@ def _exact_tiny(model, prompt: list[int]) -> torch.Tensor:
 
 def _e2e_p_value(kind: str) -> float:
     from eval.decoder import SpeculativeDecoder
-    from eval.proposers import DraftLMProposer, MedusaProposer, medusa_choices
+    from eval.proposers import DraftLMProposer
+    from eval.proposers_medusa import MedusaProposer, medusa_choices
     from heads.medusa import MedusaConfig, build_medusa
     from tests.conftest import tiny_llama
 

@@ -181,7 +181,8 @@ def test_hydra_multirun_end_to_end(tmp_path):
     cmd = [sys.executable, str(REPO / "eval" / "sweep.py"), "-m", "draft=prompt_lookup,none",
            "k=1,2,3", "temperature=0", f"sweep_dir={out}", "runner=fake_runner:fake"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted(p.name for p in out.glob("*.json") if not p.name.endswith(".error.json"))
     errors = list(out.glob("*.error.json"))
@@ -191,7 +192,8 @@ def test_hydra_multirun_end_to_end(tmp_path):
     assert len(rows) == 1 + 3
     assert "1 failed" in (out / "report.md").read_text()
     mtimes = {p: p.stat().st_mtime_ns for p in out.glob("*.json")}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
     assert proc.returncode == 0
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p.exists()
                and not p.name.endswith(".error.json"))

@@ -43,7 +43,8 @@ def test_warp_temperature_top_k_top_p():
                                atol=1e-6, rtol=0)
     torch.testing.assert_close(warp(logits, 1.0, top_k=2), torch.tensor([0.625, 0.375, 0, 0, 0, 0]))
     # nucleus 0.8: tokens before the third hold 0.8 already -> keep two
-    torch.testing.assert_close(warp(logits, 1.0, top_p=0.8), torch.tensor([0.625, 0.375, 0, 0, 0, 0]))
+    torch.testing.assert_close(warp(logits, 1.0, top_p=0.8),
+                               torch.tensor([0.625, 0.375, 0, 0, 0, 0]))
     kept3 = warp(logits, 1.0, top_p=0.81)
     assert (kept3 > 0).sum() == 3
     # the top token survives any nucleus

@@ -7,9 +7,10 @@ from conftest import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from heads import draft_lm, eagle, medusa
-from heads.draft_lm import DraftLMConfig, apply_lora, build_draft_lm, preset
-from heads.eagle import EagleConfig, EagleHead, build_eagle, build_vocab_map
+from heads.draft_lm import DraftLMConfig, apply_lora, build_draft_lm
+from heads.eagle import EagleConfig, EagleHead, build_eagle
 from heads.medusa import MedusaConfig, build_medusa
+from heads.vocab import build_vocab_map
 from train.losses import DistillLoss
 from train.metrics import acceptance_stats
 
@@ -46,7 +47,8 @@ def _check_packed(pos, counted: list[tuple[int, int]], shift: int, ids: torch.Te
     n, seq = len(counted), ids.shape[1]
     assert pos.mask.shape == (1, n) and bool(pos.mask.all())
     assert pos.teacher_index[0].tolist() == [b * seq + t + shift for b, t in counted]
-    assert torch.equal(pos.teacher_hidden[0], torch.stack([hidden[b, t + shift] for b, t in counted]))
+    assert torch.equal(pos.teacher_hidden[0],
+                       torch.stack([hidden[b, t + shift] for b, t in counted]))
     assert pos.labels[0].tolist() == [int(ids[b, t + shift + 1]) for b, t in counted]
     assert pos.draft_logits.shape[:2] == (1, n)
     if full_logits is not None:
@@ -79,7 +81,7 @@ def test_draft_lm_copies_chosen_layers_and_defaults_to_evenly_spaced():
     assert not torch.equal(rnd.model.embed_tokens.weight, target.model.embed_tokens.weight)
 
 
-def test_draft_lm_config_errors_and_presets():
+def test_draft_lm_config_errors_and_round_trip():
     target = tiny_llama()
     with pytest.raises(ValueError, match="hidden_size: draft 16 vs target 32"):
         build_draft_lm(DraftLMConfig(2, 16, 64, 4, 2, init="target"), target)
@@ -89,9 +91,8 @@ def test_draft_lm_config_errors_and_presets():
         DraftLMConfig.matching(target.config, 2, init_layers=[0])
     with pytest.raises(ValueError, match="init must be one of"):
         DraftLMConfig(init="copy")
-    with pytest.raises(ValueError, match="unknown draft LM preset"):
-        preset("huge")
-    small = preset("small")
+    small = DraftLMConfig(num_layers=4, hidden_size=576, intermediate_size=1536, num_heads=9,
+                          num_kv_heads=3)
     assert (small.num_layers, small.hidden_size) == (4, 576)
     assert DraftLMConfig.from_dict(small.to_dict()) == small
     # a random-init draft of another width is fine
@@ -344,8 +345,10 @@ def test_eagle_layouts_structure_init_and_config():
     assert torch.equal(normed.norm.weight, target.model.norm.weight)
     assert {"fc.bias", "norm.weight", "layer.input_layernorm.weight"} <= set(
         normed.trainable_state_dict())
+    def rms(out, w):
+        return (out / w).pow(2).mean(-1).sqrt()
+
     with torch.no_grad():  # only the normed head's output is RMS-normalised (per norm weight)
-        rms = lambda out, w: (out / w).pow(2).mean(-1).sqrt()
         ones = torch.ones(B, T)
         assert torch.allclose(rms(normed(hidden, ids), normed.norm.weight), ones, atol=1e-3)
         assert not torch.allclose(rms(e1(hidden, ids), target.model.norm.weight), ones, atol=0.1)
@@ -402,13 +405,14 @@ def test_training_steps_lower_loss_and_raise_acceptance(kind):
 
 @pytest.mark.real
 def test_families_on_the_real_target(real_target):
-    """Preset draft LM, Medusa and EAGLE build on SmolLM2-135M and produce aligned shapes."""
+    """A 2-layer draft LM, Medusa and EAGLE build on SmolLM2-135M and produce aligned shapes."""
     model = real_target.model
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 378]])
     hidden = _hidden(model, ids)
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     vocab = model.config.vocab_size
-    draft = build_draft_lm(preset("tiny"), model)
+    draft = build_draft_lm(DraftLMConfig(num_layers=2, hidden_size=576, intermediate_size=1536,
+                                         num_heads=9, num_kv_heads=3), model)
     assert draft.config.num_hidden_layers == 2
     assert torch.equal(draft.model.layers[1].self_attn.q_proj.weight,
                        model.model.layers[29].self_attn.q_proj.weight)

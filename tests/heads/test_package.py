@@ -125,7 +125,8 @@ def test_missing_file_is_refused(tmp_path):
     target = make_tiny_target()
     out, _ = _medusa_package(tmp_path, target, extra_json={"speculation": {"k_star": 2}})
     (out / "speculation.json").unlink()
-    with pytest.raises(PackageIntegrityError, match=r"'speculation\.json' is listed .* but missing"):
+    with pytest.raises(PackageIntegrityError,
+                       match=r"'speculation\.json' is listed .* but missing"):
         load_package(out, target=target)
 
 
@@ -145,7 +146,8 @@ def test_draft_for_another_target_is_refused(tmp_path):
         load_package(out, target=other)
     msg = str(err.value)
     assert "weights_sha256" in msg
-    assert repr(target.identity.weights_sha256) in msg and repr(other.identity.weights_sha256) in msg
+    assert repr(target.identity.weights_sha256) in msg
+    assert repr(other.identity.weights_sha256) in msg
     assert "tokenizer_sha256" not in msg  # only the differing field is named
 
 
@@ -222,8 +224,8 @@ def test_process_killed_mid_write_leaves_old_package_or_none(tmp_path):
                 package.save_package(dest, "medusa", build_medusa(cfg, t.model), cfg, t.identity)
             os.waitpid(pid, 0)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert any(".tmp-" in name for name in leftovers)  # the half-written folders stay aside

@@ -306,7 +306,7 @@ def test_command_line(lm_package, tmp_path):
 
 def test_medusa_export_round_trip_gives_identical_greedy_decoding(tmp_path):
     from eval.decoder import SpeculativeDecoder
-    from eval.proposers import MedusaProposer
+    from eval.proposers_medusa import MedusaProposer
 
     target = make_tiny_target()
     cfg = MedusaConfig(num_heads=3, num_layers=1)

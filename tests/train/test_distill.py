@@ -50,7 +50,8 @@ def _launch(args: list[str], out_dir: Path, overrides: list[str], port: int,
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
     return proc
 
 
@@ -82,8 +83,9 @@ def warm_cache(tmp_path_factory):
 def test_each_family_learns(kind, warm_cache, tmp_path):
     out = tmp_path / kind
     sized = ["draft.config.num_layers=1"] if kind == "lm" else []  # the tiny target has 2 layers
-    summary = _run_inprocess(TINY + sized + [f"draft={kind}", "train.max_steps=30", "train.eval_every=30",
-                                     "train.save_every=30", "optim.lr=3e-3", f"out_dir={out}"])
+    summary = _run_inprocess(TINY + sized + [f"draft={kind}", "train.max_steps=30",
+                                             "train.eval_every=30", "train.save_every=30",
+                                             "optim.lr=3e-3", f"out_dir={out}"])
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, f"loss did not decrease: {losses}"
@@ -111,12 +113,14 @@ def test_token_frequency_script_recounts_what_training_wrote(warm_cache, tmp_pat
 
     src = warm_cache / "draft"
     want = json.loads((src / "token_frequency.json").read_text())
-    train_dir = default_feature_root() / json.loads((src / "data_report.json").read_text())["key"] / "train"
+    key = json.loads((src / "data_report.json").read_text())["key"]
+    train_dir = default_feature_root() / key / "train"
     data = FeatureDataset(train_dir)
     by_item = torch.zeros(want["vocab_size"], dtype=torch.long)
     for i in range(len(data)):  # the shard-level count equals counting item by item
         item = data[i]
-        by_item += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=len(by_item))
+        by_item += torch.bincount(item["input_ids"][item["loss_mask"].bool()],
+                                  minlength=len(by_item))
     assert torch.equal(data.token_counts(want["vocab_size"]), by_item)
     for kwargs in ({}, {"train_cache": train_dir}):  # rebuilt from the config, or a named cache
         pkg = tmp_path / f"pkg{len(kwargs)}"
@@ -130,7 +134,8 @@ def test_token_frequency_script_recounts_what_training_wrote(warm_cache, tmp_pat
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_init_from_continues_from_a_package(kind, warm_cache, tmp_path):
     first = _run_inprocess(TINY + [f"draft={kind}", "train.max_steps=6", "train.eval_every=6",
-                                   "train.save_every=6", "optim.lr=3e-3", f"out_dir={tmp_path / 'a'}"])
+                                   "train.save_every=6", "optim.lr=3e-3",
+                                   f"out_dir={tmp_path / 'a'}"])
     pkg = tmp_path / "a" / "draft"
     second = _run_inprocess(TINY + [f"draft={kind}", f"draft.init_from={pkg}", "train.max_steps=1",
                                     f"out_dir={tmp_path / 'b'}"])
@@ -203,8 +208,8 @@ def test_ddp_and_zero2_match_one_process(warm_cache, tmp_path):
     common = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=3",
                      "train.eval_every=3", "train.save_every=3", "seed=1"]
     one = tmp_path / "one"
-    _launch(["--config_file", "conf/accelerate/single.yaml"], one, common + ["train.micro_batch_size=4"],
-            port=29621)
+    _launch(["--config_file", "conf/accelerate/single.yaml"], one,
+            common + ["train.micro_batch_size=4"], port=29621)
     ddp = tmp_path / "ddp"
     _launch(["--config_file", "conf/accelerate/ddp.yaml"], ddp,
             common + ["launcher=ddp", "train.micro_batch_size=2"], port=29622)

@@ -9,11 +9,6 @@ import torch
 from train.losses import (
     LOSS_TERMS,
     DistillLoss,
-    ForwardKLLoss,
-    HardCELoss,
-    JSDLoss,
-    ReverseKLLoss,
-    TVDLoss,
     feature_regression,
     teacher_log_probs,
 )
@@ -37,19 +32,19 @@ def _kl(a: list[float], b: list[float]) -> float:
 
 def test_each_term_matches_its_formula_on_hand_made_distributions():
     zp, zq, m = _logits(P), _logits(Q), _one()
-    assert ForwardKLLoss()(zq, zp, m).item() == pytest.approx(_kl(P, Q), rel=1e-5)
-    assert ReverseKLLoss()(zq, zp, m).item() == pytest.approx(_kl(Q, P), rel=1e-5)
+    assert DistillLoss({"fkl": 1.0})(zq, zp, m).item() == pytest.approx(_kl(P, Q), rel=1e-5)
+    assert DistillLoss({"rkl": 1.0})(zq, zp, m).item() == pytest.approx(_kl(Q, P), rel=1e-5)
     tvd_hand = 1 - sum(min(a, b) for a, b in zip(P, Q))
-    assert TVDLoss()(zq, zp, m).item() == pytest.approx(tvd_hand, rel=1e-5)
+    assert DistillLoss({"tvd": 1.0})(zq, zp, m).item() == pytest.approx(tvd_hand, rel=1e-5)
     assert tvd_hand == pytest.approx(0.5 * sum(abs(a - b) for a, b in zip(P, Q)))
     for beta in (0.1, 0.5, 0.9):
         mix = [beta * a + (1 - beta) * b for a, b in zip(P, Q)]
         want = beta * _kl(P, mix) + (1 - beta) * _kl(Q, mix)
-        got = JSDLoss(beta=beta)(zq, zp, m).item()
+        got = DistillLoss({"jsd": 1.0}, beta=beta)(zq, zp, m).item()
         assert got == pytest.approx(want, rel=1e-5)
     # teacher argmax is id 0; data token 2
-    assert HardCELoss("teacher")(zq, zp, m).item() == pytest.approx(-math.log(Q[0]))
-    got = HardCELoss("data")(zq, zp, m, labels=torch.tensor([[2]])).item()
+    assert DistillLoss({"ce": 1.0})(zq, zp, m).item() == pytest.approx(-math.log(Q[0]))
+    got = DistillLoss({"ce_data": 1.0})(zq, zp, m, labels=torch.tensor([[2]])).item()
     assert got == pytest.approx(-math.log(Q[2]), rel=1e-6)
 
 
@@ -59,7 +54,7 @@ def test_temperature_applies_to_teacher_and_student():
     def soft(z: torch.Tensor) -> list[float]:
         return torch.softmax(z.view(-1) / tau, -1).tolist()
 
-    got = ForwardKLLoss(temperature=tau)(zq, zp, m).item()
+    got = DistillLoss({"fkl": 1.0}, temperature=tau)(zq, zp, m).item()
     assert got == pytest.approx(_kl(soft(zp), soft(zq)), rel=1e-5)
     assert got != pytest.approx(_kl(P, Q), rel=1e-2)
 
@@ -69,8 +64,8 @@ def test_tvd_equals_one_minus_expected_acceptance():
     zp, zq = torch.randn(3, 5, 11, generator=g), torch.randn(3, 5, 11, generator=g)
     mask = torch.rand(3, 5, generator=g) > 0.3
     alpha = expected_acceptance(zp.softmax(-1), zq.softmax(-1), mask)
-    assert TVDLoss()(zq, zp, mask).item() == pytest.approx(1 - alpha.item(),
-                                                                          abs=1e-6)
+    assert DistillLoss({"tvd": 1.0})(zq, zp, mask).item() == pytest.approx(1 - alpha.item(),
+                                                                           abs=1e-6)
 
 
 @pytest.mark.parametrize("term", ["fkl", "rkl", "tvd", "jsd"])
@@ -89,7 +84,7 @@ def test_mask_ignores_entries_and_averages_over_the_rest():
     g = torch.Generator().manual_seed(2)
     zp, zq = torch.randn(2, 4, 7, generator=g), torch.randn(2, 4, 7, generator=g)
     mask = torch.tensor([[1, 0, 1, 0], [0, 0, 1, 0]], dtype=torch.bool)
-    loss = ForwardKLLoss()
+    loss = DistillLoss({"fkl": 1.0})
     full = loss(zq, zp, mask)
     zq2 = zq.clone()
     zq2[~mask] = 100 * torch.randn(int((~mask).sum()), 7)
@@ -123,15 +118,15 @@ def test_reduced_vocab_teacher_renormalised_or_mass_outside_counted():
     d2t = torch.tensor([1, 3])  # draft vocab = target ids 1 and 3
     zq = torch.tensor([0.6, 0.4]).log().view(1, 1, 2)
     m = _one()
-    outside = TVDLoss()(zq, zp, m, draft_to_target=d2t).item()
+    outside = DistillLoss({"tvd": 1.0})(zq, zp, m, draft_to_target=d2t).item()
     assert outside == pytest.approx(1 - (min(0.25, 0.6) + min(0.1, 0.4)), rel=1e-5)
-    renorm = TVDLoss(renormalize=True)(zq, zp, m, draft_to_target=d2t).item()
+    renorm = DistillLoss({"tvd": 1.0}, renormalize=True)(zq, zp, m, draft_to_target=d2t).item()
     pr = [0.25 / 0.35, 0.1 / 0.35]
     assert renorm == pytest.approx(1 - (min(pr[0], 0.6) + min(pr[1], 0.4)), rel=1e-5)
-    fkl = ForwardKLLoss(renormalize=True)(zq, zp, m, draft_to_target=d2t).item()
+    fkl = DistillLoss({"fkl": 1.0}, renormalize=True)(zq, zp, m, draft_to_target=d2t).item()
     assert fkl == pytest.approx(_kl(pr, [0.6, 0.4]), rel=1e-5)
     # data labels are target ids: id 3 is draft id 1; id 0 is outside and skipped
-    ce = HardCELoss("data")
+    ce = DistillLoss({"ce_data": 1.0})
     got = ce(zq.expand(1, 2, 2), zp.expand(1, 2, 4), torch.ones(1, 2, dtype=torch.bool),
              draft_to_target=d2t, labels=torch.tensor([[3, 0]])).item()
     assert got == pytest.approx(-math.log(0.4), rel=1e-5)
@@ -174,15 +169,16 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="unknown loss terms"):
         DistillLoss({"kl": 1.0})
     with pytest.raises(ValueError, match="JSD beta"):
-        JSDLoss(beta=1.0)
+        DistillLoss({"jsd": 1.0}, beta=1.0)
     with pytest.raises(ValueError, match="temperature"):
         DistillLoss({"tvd": 1.0}, temperature=0)
     with pytest.raises(ValueError, match="either as teacher_logits"):
-        TVDLoss()(torch.zeros(1, 1, 3), None, _one())
+        DistillLoss({"tvd": 1.0})(torch.zeros(1, 1, 3), None, _one())
     with pytest.raises(ValueError, match="lm_head_weight"):
-        TVDLoss()(torch.zeros(1, 1, 3), None, _one(), teacher_hidden=torch.zeros(1, 1, 2))
+        DistillLoss({"tvd": 1.0})(torch.zeros(1, 1, 3), None, _one(),
+                                  teacher_hidden=torch.zeros(1, 1, 2))
     with pytest.raises(ValueError, match="labels"):
-        HardCELoss("data")(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), _one())
+        DistillLoss({"ce_data": 1.0})(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), _one())
 
 
 def test_metrics_on_hand_made_distributions():
@@ -240,7 +236,7 @@ def test_tvd_equals_the_rejection_rate_of_the_decoders_verifier():
     accepted, _ = verify_chain_batch(torch.stack([p, p]).expand(n, 2, 12), q.expand(n, 1, 12),
                                      draft, gen)
     rate = accepted.float().mean().item()
-    tvd = TVDLoss()(zq, zp, torch.ones(1, 1, dtype=torch.bool)).item()
+    tvd = DistillLoss({"tvd": 1.0})(zq, zp, torch.ones(1, 1, dtype=torch.bool)).item()
     sigma = (rate * (1 - rate) / n) ** 0.5
     assert abs((1 - tvd) - rate) < 4 * sigma, (1 - tvd, rate, sigma)
 
