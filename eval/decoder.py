@@ -219,12 +219,10 @@ class SpeculativeDecoder:
             q = proposal.q
             if q is None:  # deterministic drafts are point masses
                 q = torch.nn.functional.one_hot(proposal.tokens, p.shape[-1]).float()
-            n, nxt = verify_chain(p, q.to(p.device), proposal.tokens.to(p.device), generator)
-            path = list(range(n))
+            path, nxt = verify_chain(p, q.to(p.device), proposal.tokens.to(p.device), generator)
         elif self.acceptance == "typical":
-            res = verify_tree_typical(p, proposal.tokens, proposal.parents, *self.posterior,
-                                      generator=generator)
-            path, nxt = res.path, res.next_token
+            path, nxt = verify_tree_typical(p, proposal.tokens, proposal.parents,
+                                            *self.posterior, generator=generator)
         else:
             q = None if proposal.q is None else proposal.q.to(p.device)
             path, nxt = verify_tree(p, q, proposal.tokens, proposal.parents, generator)

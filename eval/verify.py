@@ -28,7 +28,7 @@ distributed as the target's samples) and reports ``lossless=False``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -134,8 +134,16 @@ def verify_chain_batch(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     return n, _sample(dist, generator)
 
 
+class Verified(NamedTuple):
+    """What one verification keeps: the accepted draft nodes from the root down (a chain's
+    first ``len(path)`` drafts), then the token the target adds after them."""
+
+    path: list[int]
+    next_token: int
+
+
 def verify_chain(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                 generator: torch.Generator | None = None) -> tuple[int, int]:
+                 generator: torch.Generator | None = None) -> Verified:
     """Lossless verification of one draft chain.
 
     Args:
@@ -145,10 +153,10 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
         generator: random generator.
 
     Returns:
-        ``(n_accepted, next_token)``: the first ``n_accepted`` drafts are kept, then ``next_token``.
+        :class:`Verified`: the first ``len(path)`` drafts are kept, then ``next_token``.
     """
     n, nxt = verify_chain_batch(p.unsqueeze(0), q.unsqueeze(0), draft.unsqueeze(0), generator)
-    return int(n[0]), int(nxt[0])
+    return Verified(list(range(int(n[0]))), int(nxt[0]))
 
 
 def _check_tree(parents: torch.Tensor, n: int) -> None:
@@ -221,7 +229,7 @@ def verify_tree_batch(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
 
 def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor,
                 parents: torch.Tensor, generator: torch.Generator | None = None
-                ) -> tuple[list[int], int]:
+                ) -> Verified:
     """Lossless verification of one token tree (see :func:`verify_tree_batch`).
 
     Args:
@@ -233,15 +241,15 @@ def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor,
         generator: random generator.
 
     Returns:
-        ``(path, next_token)``: accepted node indices from the root downwards, then the next token.
+        :class:`Verified`: accepted node indices from the root downwards, then the next token.
     """
     acc, nxt = verify_tree_batch(p.unsqueeze(0), None if q is None else q.unsqueeze(0),
                                  tokens, parents, generator)
-    return torch.nonzero(acc[0]).flatten().tolist(), int(nxt[0])
+    return Verified(torch.nonzero(acc[0]).flatten().tolist(), int(nxt[0]))
 
 
 def verify_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor,
-                  parents: torch.Tensor | None = None) -> tuple[list[int], int]:
+                  parents: torch.Tensor | None = None) -> Verified:
     """Temperature-0 verification of a chain or a tree from the target's argmax per row.
 
     Exactly what :func:`verify_chain` / :func:`verify_tree` return for one-hot (greedy)
@@ -256,7 +264,7 @@ def verify_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor,
         parents: ``(N,)`` parent indices (``-1`` = root), topologically ordered; ``None`` = a chain.
 
     Returns:
-        ``(path, next_token)``: accepted node indices from the root downwards, then the next token.
+        :class:`Verified`: accepted node indices from the root downwards, then the next token.
     """
     n = tokens.shape[0]
     if target_argmax.shape != (n + 1,):
@@ -272,21 +280,12 @@ def verify_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor,
         if par[j] == cur and toks[j] == best[cur + 1]:
             path.append(j)
             cur = j
-    return path, int(best[cur + 1])
-
-
-@dataclass(frozen=True)
-class TypicalResult:
-    """Outcome of :func:`verify_tree_typical` (lossy)."""
-
-    path: list[int]
-    next_token: int
-    lossless: bool = False
+    return Verified(path, int(best[cur + 1]))
 
 
 def verify_tree_typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                         posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-                        generator: torch.Generator | None = None) -> TypicalResult:
+                        generator: torch.Generator | None = None) -> Verified:
     """Medusa's typical acceptance over a tree. **Lossy**: outputs are not target samples.
 
     A node is acceptable when its parent is acceptable (or is the root) and
@@ -303,7 +302,7 @@ def verify_tree_typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
         generator: random generator for the next token.
 
     Returns:
-        :class:`TypicalResult` with ``lossless=False``.
+        :class:`Verified` (not a sample of the target: the mode is lossy).
     """
     n = tokens.shape[0]
     _check_tree(parents, n)
@@ -330,4 +329,4 @@ def verify_tree_typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
         node = int(parents[node])
     path.reverse()
     nxt = int(_sample(p[best + 1].unsqueeze(0), generator)[0])
-    return TypicalResult(path=path, next_token=nxt)
+    return Verified(path, nxt)
