@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-fast bench engines lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,9 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py $(TRAIN_ARGS)
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+engines: $(STAMP)
+	$(BIN)/python scripts/engines.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check train heads data eval scripts tests

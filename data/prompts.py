@@ -64,10 +64,34 @@ def _question_file(path: Path) -> list[Prompt]:
                     f"'turns' ({e!r})") from e
             if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
                 raise PromptSetError(f"{path}:{n}: 'turns' must be a list of strings")
+            if not turns:
+                raise PromptSetError(f"{path}:{n}: question {qid!r} has no turns ('turns': []); "
+                                     "give it at least one user turn or remove the line")
             out.append(Prompt(id=str(qid), category=str(rec.get("category", "")), turns=turns))
     if not out:
         raise PromptSetError(f"{path} holds no questions")
     return out
+
+
+def check_prompt_set(name_or_path: str | Path) -> None:
+    """Refuse an unknown prompt-set name and a question file with a bad record, cheaply (a file
+    is parsed; the built-in sets are only named): the CLIs call this before loading a model.
+
+    Raises:
+        PromptSetError: as :func:`load_prompts` would.
+    """
+    key = str(name_or_path)
+    if key not in BUILTIN:
+        path = Path(key).expanduser()
+        if not path.is_file():
+            raise PromptSetError(_unknown(key))
+        _question_file(path)
+
+
+def _unknown(key: str) -> str:
+    missing = "no such file; " if "/" in key or key.endswith((".jsonl", ".json")) else ""
+    return (f"unknown prompt set '{key}': {missing}use one of {list(BUILTIN)} or the path of a "
+            "FastChat question.jsonl file")
 
 
 def load_prompts(name_or_path: str | Path, limit: int | None = None, all_turns: bool = False,
@@ -92,8 +116,7 @@ def load_prompts(name_or_path: str | Path, limit: int | None = None, all_turns: 
     else:
         path = Path(key).expanduser()
         if not path.is_file():
-            raise PromptSetError(f"unknown prompt set '{key}': use one of {list(BUILTIN)} or the "
-                                 "path of a FastChat question.jsonl file")
+            raise PromptSetError(_unknown(key))
         prompts = _question_file(path)
     if limit is not None:
         prompts = prompts[:limit]

@@ -7,7 +7,11 @@
 speculators / medusa layouts); ``draft=none`` decodes plainly, ``draft=lookup`` uses prompt
 lookup. ``k=null`` starts from the K* that ``eval/measure.py`` wrote into the package's
 ``speculation.json`` (else 4); the summary's ``k_source`` says which. Plain decoding of the same
-prompts runs in the same process (``baseline=true``) and gives the ``speedup``. The JSON has a
+prompts runs in the same process (``baseline=true``), interleaved per prompt (plain,
+speculative, plain), and gives the ``speedup``: the median of the per-prompt ratios, with
+``speedup_spread`` (their min and max) and ``noisy`` (the plain repeats of more than a quarter of
+the prompts differ by more than ``noise_tolerance``); ``draft=none`` measures plain against plain
+(~1.0x: a check of the measurement). The JSON has a
 ``summary`` (the :class:`~eval.stats.DecodeStats` fields plus ``speedup``, ``k``, ``k_source``,
 ``draft_kind``, ``lossless``, ``device``, ``dtype``) and ``samples`` (one per prompt: ``id``,
 ``category``, ``prompt_ids``, ``output_ids``, ``output_text``, ``tau``, ...).
@@ -27,7 +31,9 @@ import hydra
 from omegaconf import DictConfig
 
 from data.dtype import resolve_dtype
+from data.prompts import check_prompt_set
 from eval import session
+from eval.checks import check_out_file, check_sampling, integer, number
 from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
 
@@ -49,16 +55,28 @@ def baseline_proposer(draft: Any) -> Proposer | None:
 
 
 def _validate(cfg: DictConfig) -> None:
+    """Every setting and ``out``, before any model is loaded (measure.py and bench.py reuse the
+    sampling, prompt and draft checks)."""
     TreeMode.parse(cfg.tree)
     if cfg.dtype not in (*DTYPES, "auto"):
         raise ValueError(f"dtype={cfg.dtype!r}: allowed {(*DTYPES, 'auto')}")
-    if int(cfg.max_new_tokens) < 1:
+    if integer("max_new_tokens", cfg.max_new_tokens, "an integer >= 1") < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.limit is not None and int(cfg.limit) < 1:
+    if cfg.limit is not None and integer("limit", cfg.limit, "an integer >= 1 or null") < 1:
         raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
     parse_draft_vocab(cfg.get("draft_vocab"))
-    if cfg.k is not None and int(cfg.k) < 0:
+    if cfg.k is not None and integer("k", cfg.k, "an integer >= 0 or null") < 0:
         raise ValueError(f"k must be >= 0 or null (K* from speculation.json), got {cfg.k}")
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    budget = cfg.get("time_budget_s")
+    if budget is not None and number("time_budget_s", budget, "seconds > 0 or null") <= 0:
+        raise ValueError(f"time_budget_s must be > 0 or null (no budget), got {budget}")
+    check_prompt_set(cfg.prompts)
+    if baseline_proposer(cfg.draft) is None and not Path(str(cfg.draft)).expanduser().is_dir():
+        raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
+                         "draft package or export folder, none (plain decoding) or lookup "
+                         "(prompt lookup)")
+    check_out_file("out", cfg.get("out"), {"prompts": cfg.prompts, "draft": cfg.draft})
 
 
 def run(cfg: DictConfig, loaded: Any = None) -> dict:
@@ -89,14 +107,22 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                           acceptance=cfg.acceptance)
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
-    res = session.paired(dec, model, records, sampling, eos,
-                         baseline=bool(cfg.baseline) and not plain)
+    tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
+    # plain with baseline=true: plain against plain through the same paired path (~1.0x: a
+    # check of the measurement itself); plain without a baseline is 1.0x by definition
+    res = session.paired(dec, model, records, sampling, eos, baseline=bool(cfg.baseline),
+                         noise_tolerance=tolerance)
     samples, stats = res.samples, res.stats
-    base_tps = stats.tokens_per_s if plain else res.baseline_tokens_per_s
+    measured = res.baseline_tokens_per_s is not None
+    base_tps = res.baseline_tokens_per_s if measured or not plain else stats.tokens_per_s
     for s in samples:
         s["output_text"] = tok.decode(s["output_ids"], skip_special_tokens=True)
+    spread = res.speedup_spread
     summary = {**stats.to_dict(),
-               "speedup": stats.tokens_per_s / base_tps if base_tps else None,
+               "speedup": res.speedup if measured else (1.0 if plain else None),
+               "speedup_spread": list(spread) if spread else None, "noisy": res.noisy,
+               "noise_tolerance": tolerance, "noisy_prompts": res.noisy_prompts if measured
+               else None,
                "baseline_tokens_per_s": base_tps, "matches_baseline": res.matches_baseline,
                "k": k, "k_source": k_source,
                "tree": proposer.tree,
@@ -124,12 +150,22 @@ def print_summary(summary: Mapping[str, Any]) -> None:
     table = Table(title=f"draft={summary.get('draft') or 'none'} ({summary['draft_kind']})")
     for col in ("k (source)", "tokens", "tau", "accept", "tok/s", "speedup", "lossless"):
         table.add_column(col, justify="right")
-    sp = summary.get("speedup")
+    sp, spread = summary.get("speedup"), summary.get("speedup_spread")
+    speedup = "-" if sp is None else f"{sp:.2f}x"
+    if spread:
+        speedup += f" ({spread[0]:.2f}-{spread[1]:.2f})"
+    if summary.get("noisy"):
+        speedup += " noisy"
     table.add_row(f"{summary['k']} ({summary.get('k_source', '-')})",
                   str(summary["tokens_generated"]), f"{summary['tau']:.2f}",
                   f"{summary['acceptance_rate']:.2f}", f"{summary['tokens_per_s']:.1f}",
-                  "-" if sp is None else f"{sp:.2f}x", str(summary["lossless"]))
-    Console().print(table)
+                  speedup, str(summary["lossless"]))
+    console = Console()
+    console.print(table)
+    if summary.get("noisy"):
+        console.print(f"noisy: the plain runs of {summary.get('noisy_prompts')} prompts differ by "
+                      f"more than {summary.get('noise_tolerance', 0.1):.0%}; the machine's speed "
+                      "changed while measuring, so the speedup is not to be trusted")
 
 
 def run_overrides(overrides: list[str]) -> dict:

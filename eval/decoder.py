@@ -115,7 +115,8 @@ class SpeculativeDecoder:
             eos_token_id: id or ids that end generation (emitted, nothing after them).
             stop_sequences: token-id sequences that end generation (emitted in full).
             time_budget_s: wall-clock budget for this request; ends after the current step.
-            generator: random generator (else one seeded with ``seed``, else a fresh one).
+            generator: random generator on the target's device (else one seeded with
+                ``seed``, else a fresh one; see :meth:`generator`).
             seed: seed for a new generator when ``generator`` is None.
 
         Returns:
@@ -123,10 +124,7 @@ class SpeculativeDecoder:
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if generator is None:
-            generator = torch.Generator()
-            if seed is not None:
-                generator.manual_seed(seed)
+        generator = self.generator(generator, seed)
         sampling = Sampling(temperature, top_k, top_p)
         sampling.warp(torch.zeros(2))  # validates the settings before any work
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids)
@@ -194,6 +192,27 @@ class SpeculativeDecoder:
         stats.target_forwards = self.target.forwards
         stats.stop_reason = stopper.reason
         return DecodeResult(generated, stats.finalize())
+
+    def generator(self, generator: torch.Generator | None = None,
+                  seed: int | None = None) -> torch.Generator:
+        """The random generator of a request: ``generator``, else a new one on the target's
+        device (seeded with ``seed``), where every draw happens: the target's logits and the
+        uniforms of the acceptance test live there, and CUDA refuses a CPU generator. On the CPU
+        the draws are those of ``torch.Generator().manual_seed(seed)``.
+
+        Raises:
+            ValueError: ``generator`` lives on another device than the target.
+        """
+        device = torch.device(self.target.device)
+        if generator is not None:
+            if generator.device.type != device.type:
+                raise ValueError(f"the generator is on {generator.device} but the target on "
+                                 f"{device}: pass torch.Generator(device={str(device)!r})")
+            return generator
+        generator = torch.Generator(device=device)
+        if seed is not None:
+            generator.manual_seed(seed)
+        return generator
 
     def _verify(self, proposal: Proposal, pending: int, sampling: Sampling,
                 generator: torch.Generator) -> tuple[list[int], int, list[int], TargetOutput]:

@@ -32,7 +32,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.dtype import resolve_dtype
+from data.prompts import check_prompt_set
 from eval import session
+from eval.checks import check_sampling, integer
 from eval.decode import CONF_DIR
 from eval.draft import build_proposer, load_draft, settle
 from eval.kstar import measure_speculation
@@ -74,6 +76,12 @@ def _validate(cfg: DictConfig) -> None:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     if cfg.dtype not in ("float32", "bfloat16", "float16", "auto"):
         raise ValueError(f"dtype={cfg.dtype!r}: allowed float32, bfloat16, float16, auto")
+    if integer("max_new_tokens", cfg.max_new_tokens, "an integer >= 1") < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.limit is not None and integer("limit", cfg.limit, "an integer >= 1 or null") < 1:
+        raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    check_prompt_set(cfg.prompts)
 
 
 def proposer_for(cfg: DictConfig, overrides: dict, loaded: Any, pkg: Any) -> Proposer:
@@ -113,15 +121,22 @@ def tree_shapes(family: DraftFamily, cfg: DictConfig, head_config: Any) -> list[
 
 def rerun_at_kstar(model: torch.nn.Module, proposer: Any, records: list[dict], cfg: DictConfig,
                    k_star: int, eos: Any) -> dict[str, Any]:
-    """Decode at fixed K* and plainly on the same prompts; the measured speedup record."""
+    """Decode at fixed K* and plainly on the same prompts, interleaved per prompt
+    (:func:`eval.session.paired`); the measured speedup record: ``speedup`` is the median of the
+    per-prompt ratios, ``speedup_spread`` their min and max, ``noisy`` whether the machine's
+    speed changed under the prompts (``tokens_per_s`` / ``baseline_tokens_per_s`` are totals)."""
     if k_star == 0:
         return {"k": 0, "speedup": None,
                 "note": "K* = 0: plain decoding is fastest with this draft on this machine"}
     dec = session.decoder(model, proposer, records, k=k_star, adaptive=False, fallback=False)
-    res = session.paired(dec, model, records, session.Sampling.from_config(cfg), eos)
-    spec, base = res.stats, res.baseline_tokens_per_s
+    tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
+    res = session.paired(dec, model, records, session.Sampling.from_config(cfg), eos,
+                         noise_tolerance=tolerance)
+    spec, base, spread = res.stats, res.baseline_tokens_per_s, res.speedup_spread
     return {"k": k_star, "tokens_per_s": spec.tokens_per_s,
             "baseline_tokens_per_s": base, "speedup": res.speedup,
+            "speedup_spread": list(spread) if spread else None, "noisy": res.noisy,
+            "noise_tolerance": tolerance,
             "tau": spec.tau, "acceptance_rate": spec.acceptance_rate,
             "tokens": spec.tokens_generated, "prompts": len(records),
             "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens)}

@@ -63,7 +63,9 @@ class Sampling:
         if self.greedy:
             raise ValueError("greedy decoding draws no distribution; use Sampling.token")
         q = self.warp(logits)
-        return int(torch.multinomial(q, 1, generator=generator)), q
+        # the draw happens on the generator's device (the target's; a draft elsewhere moves q)
+        on = q if generator is None or q.device == generator.device else q.to(generator.device)
+        return int(torch.multinomial(on, 1, generator=generator)), q
 
 
 @dataclass

@@ -17,8 +17,8 @@ job (written by ``eval/sweep.py`` with a ``job`` block, or straight by ``eval/de
   sample's forwards are its tokens over its tau (the definition of the overall tau).
 - trained vs served: the draft package's ``validation.json`` ``alpha_hat`` next to the
   served conditional ``alpha`` of jobs at the same temperature (at T = 0: validation's top-1
-  agreement, which is the greedy acceptance probability); ``gap_flag`` is set when
-  ``max_i |alpha_hat_i - alpha_i| > gap_threshold``.
+  agreement, the greedy acceptance probability); ``gap_flag``: some ``|alpha_hat_i - alpha_i|``
+  exceeds ``gap_threshold`` and two binomial standard errors of the drafts reached there.
 - predicted speedup (chain groups): the cost model of :mod:`eval.cost` on the alpha and costs
   of the draft package's ``speculation.json``, i.e. the expected speedups ``eval/measure.py``
   printed; only for groups at the temperature it was measured at.
@@ -262,7 +262,7 @@ def _trained_vs_served(rows: list[dict], gap_threshold: float) -> None:
     infos: dict[str, DraftInfo] = {}
     for r in rows:
         r.update(trained_alpha_hat=None, trained_temperature=None, gap_max=None,
-                 gap_position=None, gap_flag=False)
+                 gap_position=None, gap_flag=False, reached=None)
         d = r["draft"]
         if not d or d in ("none", "lookup", "prompt_lookup"):
             continue
@@ -289,8 +289,23 @@ def _trained_vs_served(rows: list[dict], gap_threshold: float) -> None:
             continue
         gaps = [abs(r["trained_alpha_hat"][i] - float(r["alpha"][i])) for i in range(n)]
         i_max = max(range(n), key=gaps.__getitem__)
-        r.update(gap_max=gaps[i_max], gap_position=i_max + 1,
-                 gap_flag=gaps[i_max] > gap_threshold)
+        reached = list(r["_summary"].get("reached") or [])
+        r.update(gap_max=gaps[i_max], gap_position=i_max + 1, reached=reached[:n],
+                 gap_flag=any(gaps[i] > gap_threshold and _beyond_noise(
+                     r["trained_alpha_hat"][i], gaps[i], reached[i] if i < len(reached) else None)
+                     for i in range(n)))
+
+
+def _beyond_noise(alpha_hat: float, gap: float, reached: int | None) -> bool:
+    """Whether a served-vs-trained gap at one position is more than two standard errors of a
+    binomial acceptance measured on ``reached`` drafts (None: the count is unknown, so yes);
+    a position drafted a handful of times says little."""
+    if reached is None:
+        return True
+    if reached == 0:
+        return False
+    se = math.sqrt(max(alpha_hat * (1.0 - alpha_hat), 1e-6) / reached)
+    return gap > 2.0 * se
 
 
 def build_category_rows(rows: list[dict]) -> list[dict]:
@@ -353,15 +368,17 @@ def write_markdown(rows, cats, errors, plot_files, gap_threshold, path: Path) ->
     tvs = [r for r in rows if r["trained_alpha_hat"] is not None]
     lines += ["", f"## Trained vs served (gap threshold {gap_threshold})", ""]
     if tvs:
-        lines += _md_table(["job", "T", "trained alpha_hat", "served alpha", "max gap", "at",
-                            "flag"],
+        lines += _md_table(["job", "T", "trained alpha_hat", "served alpha", "drafts reached",
+                            "max gap", "at", "flag"],
                            [[r["label"], r["temperature"], r["trained_alpha_hat"], r["alpha"],
-                             r["gap_max"], r["gap_position"],
-                             "**GAP**" if r["gap_flag"] else "ok"] for r in tvs])
+                             " ".join(map(str, r["reached"] or [])) or "-", r["gap_max"],
+                             r["gap_position"], "**GAP**" if r["gap_flag"] else "ok"]
+                            for r in tvs])
         flagged = [r for r in tvs if r["gap_flag"]]
         if flagged:
             lines += ["", (f"**{len(flagged)} job(s) serve an acceptance more than {gap_threshold} "
-                           "away from the training-time estimate: a bug or a data shift.**")]
+                           "away from the training-time estimate, beyond two standard errors "
+                           "of the drafts reached: a bug or a data shift.**")]
     else:
         lines.append("No chain job ran a checkpoint with validation.json at its validation "
                      "temperature (or at T = 0, compared with validation top-1 agreement). Tree "

@@ -4,12 +4,15 @@
 all decode through this module: :func:`open_target` loads and places the target,
 :func:`prompt_records` encodes a prompt set through its chat template, :func:`decoder` builds the
 speculative decoder (warmed up), :func:`decode_set` decodes every prompt, and :func:`paired`
-decodes the same prompts plainly in the same process, the only fair baseline for a speedup.
+decodes the same prompts plainly in the same process, interleaved per prompt (plain,
+speculative, plain), the only fair baseline for a speedup: its ``speedup`` is the median of the
+per-prompt ratios, and ``noisy`` says when the machine's speed changed under a prompt.
 """
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,46 +113,131 @@ def plain_decoder(model: torch.nn.Module, records: Sequence[dict] = ()) -> Specu
     return decoder(model, PlainProposer(), records, k=0)
 
 
+def decode_one(dec: SpeculativeDecoder, rec: dict, index: int, sampling: Sampling,
+               eos: Any) -> tuple[dict, DecodeStats]:
+    """Decode one record (seed ``sampling.seed + index``); its sample dict and stats."""
+    res = dec.generate(rec["prompt_ids"], sampling.max_new_tokens, sampling.temperature,
+                       sampling.top_k, sampling.top_p, eos_token_id=eos,
+                       time_budget_s=sampling.time_budget_s, seed=sampling.seed + index)
+    return {**rec, "output_ids": res.output_ids, "tau": res.stats.tau,
+            "target_forwards": res.stats.target_forwards,
+            "wall_time_s": res.stats.wall_time_s}, res.stats
+
+
 def decode_set(dec: SpeculativeDecoder, records: Sequence[dict], sampling: Sampling,
                eos: Any) -> tuple[list[dict], DecodeStats]:
     """Decode every record (seed ``sampling.seed + index``); per-sample dicts and merged stats."""
     samples, parts = [], []
     for i, rec in enumerate(records):
-        res = dec.generate(rec["prompt_ids"], sampling.max_new_tokens, sampling.temperature,
-                           sampling.top_k, sampling.top_p, eos_token_id=eos,
-                           time_budget_s=sampling.time_budget_s, seed=sampling.seed + i)
-        parts.append(res.stats)
-        samples.append({**rec, "output_ids": res.output_ids, "tau": res.stats.tau,
-                        "target_forwards": res.stats.target_forwards,
-                        "wall_time_s": res.stats.wall_time_s})
+        sample, st = decode_one(dec, rec, i, sampling, eos)
+        samples.append(sample)
+        parts.append(st)
     return samples, DecodeStats.merge(parts)
+
+
+NOISE_TOLERANCE = 0.1  # default: plain repeats of a prompt may differ by 10% of their mean
+NOISY_SHARE = 0.25  # noisy: more than a quarter of the prompts had plain repeats that far apart
 
 
 @dataclass
 class Paired:
-    """Speculative decoding and plain decoding of the same prompts in the same process."""
+    """Speculative decoding and plain decoding of the same prompts in the same process.
+
+    Each prompt is decoded plainly, speculatively, then plainly again (same seed), so whatever
+    the machine does meanwhile hits both sides of that prompt's ratio alike.
+
+    Attributes:
+        samples: the speculative samples (with ``plain_wall_time_s`` and ``speedup`` per prompt
+            when there is a baseline).
+        stats: the merged speculative stats.
+        baseline_tokens_per_s: plain tokens/s over both plain runs of every prompt.
+        matches_baseline: greedy only: the fraction of outputs token-identical to plain's.
+        ratios: per prompt, speculative tokens/s over the mean of its two plain tokens/s.
+        plain_drift: per prompt, ``|a - b| / mean(a, b)`` of its two plain tokens/s.
+        noise_tolerance: the largest ``plain_drift`` of a quiet prompt.
+    """
 
     samples: list[dict]
     stats: DecodeStats
     baseline_tokens_per_s: float | None
-    matches_baseline: float | None  # greedy only: the fraction of token-identical outputs
+    matches_baseline: float | None
+    ratios: list[float] = field(default_factory=list)
+    plain_drift: list[float] = field(default_factory=list)
+    noise_tolerance: float = NOISE_TOLERANCE
 
     @property
     def speedup(self) -> float | None:
-        base = self.baseline_tokens_per_s
-        return self.stats.tokens_per_s / base if base else None
+        """The median of the per-prompt ratios (None without a baseline)."""
+        return statistics.median(self.ratios) if self.ratios else None
+
+    @property
+    def speedup_spread(self) -> tuple[float, float] | None:
+        """``(min, max)`` of the per-prompt ratios."""
+        return (min(self.ratios), max(self.ratios)) if self.ratios else None
+
+    @property
+    def noisy_prompts(self) -> int:
+        """Prompts whose two plain runs differ by more than ``noise_tolerance``."""
+        return sum(d > self.noise_tolerance for d in self.plain_drift)
+
+    @property
+    def noisy(self) -> bool | None:
+        """True when more than :data:`NOISY_SHARE` of the prompts are noisy: the machine's speed
+        changed within single prompts, so the speedup is not to be trusted (None: no baseline)."""
+        if not self.plain_drift:
+            return None
+        return self.noisy_prompts > NOISY_SHARE * len(self.plain_drift)
 
 
-def paired(dec: SpeculativeDecoder, model: torch.nn.Module, records: Sequence[dict],
-           sampling: Sampling, eos: Any, baseline: bool = True) -> Paired:
-    """Decode ``records`` with ``dec``, then (``baseline``) plainly; at T = 0 lossless means
-    token-identical, so the fraction of identical outputs is recorded."""
-    samples, stats = decode_set(dec, records, sampling, eos)
+def _tps(stats: DecodeStats) -> float:
+    return stats.tokens_generated / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
+
+
+def paired(dec: SpeculativeDecoder, model: torch.nn.Module | None, records: Sequence[dict],
+           sampling: Sampling, eos: Any, baseline: bool = True,
+           noise_tolerance: float = NOISE_TOLERANCE,
+           plain: SpeculativeDecoder | None = None) -> Paired:
+    """Decode ``records`` with ``dec``; with ``baseline``, each prompt plainly before and after
+    (interleaved, see :class:`Paired`). At T = 0 lossless means token-identical, so the fraction
+    of identical outputs is recorded.
+
+    Args:
+        dec: the (warmed-up) speculative decoder.
+        model: the target, for the plain decoder (warmed up here) unless ``plain`` is given.
+        records: prompt records (:func:`prompt_records`).
+        sampling: how each prompt is decoded.
+        eos: EOS id(s).
+        baseline: also decode plainly (else no speedup).
+        noise_tolerance: see :attr:`Paired.noisy`.
+        plain: the plain decoder to compare with (default: :func:`plain_decoder` of ``model``).
+
+    Raises:
+        ValueError: ``noise_tolerance`` is negative.
+    """
+    if not float(noise_tolerance) >= 0:
+        raise ValueError(f"noise_tolerance must be >= 0 (a fraction of the plain tokens/s), "
+                         f"got {noise_tolerance}")
     if not baseline:
-        return Paired(samples, stats, None, None)
-    base_samples, base = decode_set(plain_decoder(model), records, sampling, eos)
-    matches = None
-    if sampling.temperature == 0.0:
-        same = [a["output_ids"] == b["output_ids"] for a, b in zip(samples, base_samples)]
-        matches = sum(same) / len(same)
-    return Paired(samples, stats, base.tokens_per_s, matches)
+        samples, stats = decode_set(dec, records, sampling, eos)
+        return Paired(samples, stats, None, None, noise_tolerance=float(noise_tolerance))
+    if plain is None:
+        plain = plain_decoder(model, records)
+    samples, spec_parts, plain_parts, ratios, drift, same = [], [], [], [], [], []
+    for i, rec in enumerate(records):
+        before, a = decode_one(plain, rec, i, sampling, eos)
+        sample, st = decode_one(dec, rec, i, sampling, eos)
+        _, b = decode_one(plain, rec, i, sampling, eos)
+        base = (_tps(a) + _tps(b)) / 2
+        ratio = _tps(st) / base if base > 0 else None
+        drift.append(abs(_tps(a) - _tps(b)) / base if base > 0 else 0.0)
+        if ratio is not None:
+            ratios.append(ratio)
+        same.append(sample["output_ids"] == before["output_ids"])
+        samples.append({**sample, "plain_wall_time_s": [a.wall_time_s, b.wall_time_s],
+                        "speedup": ratio})
+        spec_parts.append(st)
+        plain_parts += [a, b]
+    matches = sum(same) / len(same) if sampling.temperature == 0.0 and same else None
+    return Paired(samples, DecodeStats.merge(spec_parts),
+                  DecodeStats.merge(plain_parts).tokens_per_s, matches, ratios, drift,
+                  float(noise_tolerance))

@@ -99,6 +99,25 @@ class Isolate(Enum):
             raise ValueError(f"isolate={value!r}: allowed values are {allowed}") from None
 
 
+def validate(cfg: Mapping[str, Any]) -> None:
+    """Refuse, before any job runs or any model loads, a ``sweep_dir`` that is a file or lies in
+    a draft package, an export or a folder input (job files and the report would be written
+    into it), a prompt set the decoder cannot read and sampling values it would refuse.
+
+    Raises:
+        ValueError: naming the key, the value and the fix.
+    """
+    from data.prompts import check_prompt_set
+    from eval.checks import check_out_dir, check_sampling
+
+    check_out_dir("sweep_dir", cfg.get("sweep_dir"),
+                  {k: cfg.get(k) for k in ("draft", "prompts", "target")})
+    check_sampling(**{k: cfg[k] for k in ("temperature", "top_k", "top_p")
+                      if cfg.get(k) is not None})
+    if cfg.get("prompts") is not None:
+        check_prompt_set(cfg["prompts"])
+
+
 def _draft_digest(draft: Path) -> str | None:
     manifest = draft / "manifest.json"
     if manifest.is_file():
@@ -366,6 +385,7 @@ def run_sweep(jobs: Iterable[Mapping[str, Any]], sweep_dir: str | Path,
     counts: Counter = Counter()
     planned, seen = [], set()
     for raw in jobs:
+        validate({**raw, "sweep_dir": sweep_dir})  # every job, before the first one runs
         s = normalize_settings(raw)
         if s is None:
             counts["not_applicable"] += 1
@@ -438,6 +458,7 @@ class SweepCallback(_HydraCallback):
 def task(cfg: Any) -> str:
     """One Hydra job: normalize its settings and run it (status string returned)."""
     isolate = Isolate.parse(cfg.isolate)
+    validate(cfg)
     settings = normalize_settings(cfg)
     if settings is None:
         log.info("not applicable, skipped: %s", {k: cfg.get(k) for k in ("method", "draft")})

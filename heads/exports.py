@@ -18,7 +18,8 @@ from torch import nn
 
 from data.target import TargetIdentity
 from heads.family import FAMILIES, WEIGHTS, DraftFamily, get_family
-from heads.package import DraftPackage, check_target, target_config, verify_folder
+from heads.manifest import listed
+from heads.package import DraftPackage, check_target, target_config, verify_package
 
 FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
@@ -113,26 +114,34 @@ READERS = {"hf": _read_hf, "medusa": _read_medusa, "eagle": _read_eagle,
            "speculators": _read_speculators}
 
 
-def import_export(path: str | Path, target: Any = None,
-                  allow_unverified: bool = False) -> DraftPackage:
+def import_export(path: str | Path, target: Any = None, allow_unverified: bool = False,
+                  allow_unsigned: bool = False, trusted_keys: Any = None) -> DraftPackage:
     """Load an export made by ``scripts/export.py`` back into draftsmith's heads (round trip).
 
+    The export's signature and manifest are checked as :func:`heads.package.load_package` checks
+    a package's (same ``allow_unverified`` / ``allow_unsigned`` / ``trusted_keys``); the signer's
+    fingerprint is ``info["signer"]``.
+
     Raises:
-        PackageIntegrityError: a file differs from the export's manifest.
+        PackageSignatureError: unsigned, signed by an untrusted key, or the signature does not
+            match the files.
+        PackageIntegrityError: a file differs from the export's manifest, is unlisted or a link.
         TargetMismatchError: ``target`` is not the target the draft was trained for.
     """
     root = Path(path)
-    meta = verify_folder(root, allow_unverified)
+    meta, signer = verify_package(root, allow_unverified, allow_unsigned, trusted_keys)
     fmt, kind = meta["export_format"], meta["draft_kind"]
     if target is not None:
         check_target(meta["target"], target.identity, where=f"{fmt} export")
     family = get_family(kind)
     cfg = family.config_class.from_dict(meta["head_config"])
-    info = {"target": meta["target"], "target_config": meta.get("target_config")}
+    info = {"target": meta["target"], "target_config": meta.get("target_config"),
+            "signer": signer}
     module = READERS[fmt](root / WEIGHTS_FILE[fmt], family, cfg, info, target)
     module.float().eval()
     spec = root / "speculation.json"
+    spec_listed = listed(meta, spec.name) and spec.is_file()
     return DraftPackage(kind=kind, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(meta["target"]), path=root,
                         info={**info, "export": meta},
-                        speculation=json.loads(spec.read_text()) if spec.is_file() else None)
+                        speculation=json.loads(spec.read_text()) if spec_listed else None)

@@ -10,16 +10,19 @@ Layout of a package folder::
     validation.json        optional: training-time estimates (a_hat per position, ...)
     speculation.json       optional: measured decoding numbers (K*, alpha_i, ...)
     manifest.json          sha256 and size of every other file + draft family, target identity,
-                           format_version and the training config
+                           format_version, the training config and the signer (heads/manifest.py)
+    model.sig              the model-signing signature over every file (heads/signing.py)
 
 A package is written to ``<out>.tmp-<pid>`` and moved into place with ``os.replace``, so a run
 killed mid-write leaves either the previous package or none at ``<out>``, never a half one.
-``load_package`` refuses a package whose files do not match the manifest, and a draft trained for
-another target or tokenizer.
+``load_package`` refuses a package that is unsigned or signed by an untrusted key, whose files do
+not match the manifest (or are unlisted, links, outside it), and a draft trained for another
+target or tokenizer. Optional files (``speculation.json``) are read only when listed.
 """
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
@@ -32,28 +35,30 @@ from torch import nn
 
 from data.target import TargetIdentity, TargetMismatchError, sha256_file
 from heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
+from heads.manifest import (  # noqa: F401 (re-exported: the package API)
+    MANIFEST,
+    SIGNATURE,
+    PackageIntegrityError,
+    listed,
+    manifest_problems,
+    read_manifest,
+    verify_manifest,
+    write_json_atomic,
+    write_manifest,
+)
+from heads.signing import (
+    PackageSignatureError,
+    sign_folder,
+    unsigned_allowed,
+    verify_folder_signature,
+)
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 PACKAGE_JSON = "draftsmith.json"
-MANIFEST = "manifest.json"
 TRAINING_CONFIG = "training_config.yaml"
-# Files with these endings hold weights: an unlisted one is refused (it could shadow the real one).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".npz", ".h5")
-
-
-class PackageIntegrityError(RuntimeError):
-    """A package's files do not match its manifest (modified, truncated, missing or extra)."""
-
-    def __init__(self, path: Path | str, problems: list[str]):
-        self.path = Path(path)
-        self.problems = list(problems)
-        lines = "\n  - ".join(self.problems)
-        super().__init__(
-            f"draft package {self.path} failed its integrity check:\n  - {lines}\n"
-            "Fix: re-export or re-download the package; to load it anyway (unsafe) pass "
-            "allow_unverified=True.")
+SPECULATION = "speculation.json"
 
 
 @dataclass
@@ -83,97 +88,40 @@ class DraftPackage:
         return get_family(self.kind)
 
 
-# ----------------------------------------------------------------------------- hashing / manifest
-
-
-def _listed_files(root: Path) -> list[str]:
-    """Every regular file under ``root`` except the manifest, as sorted POSIX relative paths."""
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)
-
-
-def write_manifest(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file in ``root`` and write ``manifest.json`` (atomically).
-
-    Args:
-        root: a package or export folder.
-        meta: extra fields recorded beside ``files`` (draft family, target identity, ...).
+# ----------------------------------------------------------------------------- verify / write
+def verify_package(root: str | Path, allow_unverified: bool = False, allow_unsigned: bool = False,
+                   trusted_keys: Any = None) -> tuple[dict[str, Any], str | None]:
+    """Check ``root``'s signature, then its manifest over every file.
 
     Returns:
-        The manifest dict.
+        (the manifest, the trusted signer's fingerprint or None when the signature check was
+        overridden by ``allow_unsigned`` / ``DRAFTSMITH_ALLOW_UNSIGNED`` / ``allow_unverified``).
+
+    Raises:
+        PackageIntegrityError: a file differs from the manifest, is unlisted, a link, or the
+            manifest is malformed (reported before a signature problem: it names the file).
+        PackageSignatureError: unsigned, signed by an untrusted key, or the signature does not
+            match (e.g. a manifest rewritten to match changed files).
     """
-    files = {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
-             for rel in _listed_files(root)}
-    manifest = {**meta, "files": files}
-    _write_json_atomic(root / MANIFEST, manifest)
-    return manifest
-
-
-def read_manifest(root: Path) -> dict[str, Any]:
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise PackageIntegrityError(root, [f"'{MANIFEST}' is missing, so no file can be verified"])
+    root = Path(root)
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PackageIntegrityError(root, [f"'{MANIFEST}' is not valid JSON ({e})"]) from e
+        signer, sig_error = verify_folder_signature(root, trusted_keys), None
+    except PackageSignatureError as e:
+        signer, sig_error = None, e
+    manifest = verify_manifest(root, allow_unverified)
+    if sig_error is not None:
+        if not (allow_unverified or unsigned_allowed(allow_unsigned)):
+            raise sig_error
+        log.warning("!" * 78 + "\nLOADING AN UNSIGNED OR UNTRUSTED DRAFT PACKAGE %s (allow_unsigned"
+                    "=True or DRAFTSMITH_ALLOW_UNSIGNED=1):\n  - %s\n" + "!" * 78, root,
+                    "\n  - ".join(sig_error.problems))
+    return manifest, signer
 
 
-def manifest_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
-    """Compare the files in ``root`` with the manifest; one message per problem (empty = intact)."""
-    problems = []
-    listed = manifest.get("files", {})
-    for rel, entry in sorted(listed.items()):
-        path = root / rel
-        if not path.is_file():
-            problems.append(f"file '{rel}' is listed in {MANIFEST} but missing")
-            continue
-        size = path.stat().st_size
-        if size != entry["size"]:
-            how = "truncated" if size < entry["size"] else "longer than recorded"
-            problems.append(f"file '{rel}' is {how}: {size} bytes on disk, {entry['size']} bytes "
-                            f"in {MANIFEST}")
-            continue
-        digest = sha256_file(path)
-        if digest != entry["sha256"]:
-            problems.append(f"file '{rel}' was modified: sha256 {digest[:16]}... on disk, "
-                            f"{entry['sha256'][:16]}... in {MANIFEST}")
-    for rel in _listed_files(root):
-        if rel not in listed and rel.endswith(WEIGHT_SUFFIXES):
-            problems.append(f"weight file '{rel}' is not listed in {MANIFEST} (unlisted extra "
-                            "weights are refused)")
-    return problems
-
-
-def verify_folder(root: Path, allow_unverified: bool = False) -> dict[str, Any]:
-    """Verify ``root`` against its manifest; raise ``PackageIntegrityError`` or warn loudly.
-
-    Returns:
-        The manifest (an empty dict when it is missing and ``allow_unverified`` is set).
-    """
-    try:
-        manifest = read_manifest(root)
-        problems = manifest_problems(root, manifest)
-    except PackageIntegrityError as e:
-        if not allow_unverified:
-            raise
-        manifest, problems = {}, e.problems
-    if problems:
-        if not allow_unverified:
-            raise PackageIntegrityError(root, problems)
-        log.warning("!" * 78 + "\nLOADING AN UNVERIFIED DRAFT PACKAGE %s (allow_unverified=True):"
-                    "\n  - %s\n" + "!" * 78, root, "\n  - ".join(problems))
-    return manifest
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def verify_folder(root: str | Path, allow_unverified: bool = False, allow_unsigned: bool = False,
+                  trusted_keys: Any = None) -> dict[str, Any]:
+    """:func:`verify_package`'s manifest (signature and every file checked)."""
+    return verify_package(root, allow_unverified, allow_unsigned, trusted_keys)[0]
 
 
 def _fsync_tree(root: Path) -> None:
@@ -183,12 +131,56 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``os.kill(pid, 0)``; another user's process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists but belongs to someone else
+        return True
+    return True
+
+
+def remove_stale_siblings(out: Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
+    """Remove ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` left beside ``out`` by killed writers.
+
+    Only folders whose pid is not a live process are removed (a live writer's are kept, this
+    process's own included), each with a log line. A dead writer's ``.old-<pid>`` is removed
+    only while ``out`` exists: without ``out`` it is the only copy of the previous package (a
+    kill between the two renames of :func:`publish_dir`), so it is kept and named in a warning.
+
+    Returns:
+        The folders removed.
+    """
+    removed = []
+    for kind in kinds:
+        for path in sorted(out.parent.glob(f"{glob.escape(out.name)}.{kind}-*")):
+            pid = path.name[len(out.name) + len(kind) + 2:]
+            if not pid.isdigit() or int(pid) <= 0 or _pid_alive(int(pid)):
+                continue
+            if kind == "old" and not out.exists():
+                log.warning("%s is the previous version of %s left by killed process %s and "
+                            "nothing is at %s: kept (move it back with: mv %s %s)",
+                            path, out, pid, out, path, out)
+                continue
+            log.warning("removing %s, left by process %s that was killed while writing %s",
+                        path, pid, out)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+    return removed
+
+
 def publish_dir(tmp: Path, out: Path) -> None:
     """Move a complete folder ``tmp`` to ``out``, replacing an older ``out`` without a half state.
 
     ``os.replace`` cannot replace a non-empty folder, so an old ``out`` is first renamed aside;
     a kill between the two renames leaves no package at ``out`` (and the old one beside it as
-    ``<out>.old-<pid>``), never a mixed one.
+    ``<out>.old-<pid>``), never a mixed one. Once ``out`` is in place, ``.old-<pid>`` folders
+    of dead processes are superseded and removed (:func:`remove_stale_siblings`).
     """
     _fsync_tree(tmp)
     old = out.with_name(f"{out.name}.old-{os.getpid()}")
@@ -197,11 +189,14 @@ def publish_dir(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
     if old.exists():
         shutil.rmtree(old)
+    remove_stale_siblings(out, kinds=("old",))
 
 
 def fresh_tmp_dir(out: Path) -> Path:
-    """An empty ``<out>.tmp-<pid>`` folder next to ``out``."""
+    """An empty ``<out>.tmp-<pid>`` folder next to ``out``; first the temporary folders of
+    killed writers beside ``out`` are removed (:func:`remove_stale_siblings`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -278,13 +273,14 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
             tcfg.pop("layer_types", None)
         info = {"draft_kind": kind, "format_version": FORMAT_VERSION,
                 "head_config": _to_dict(head_config), "target": ident, "target_config": tcfg}
-        _write_json_atomic(tmp / PACKAGE_JSON, info)
+        write_json_atomic(tmp / PACKAGE_JSON, info)
         if train_cfg is not None:
             from omegaconf import OmegaConf
             (tmp / TRAINING_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(train_cfg)))
         for name, obj in (extra_json or {}).items():
-            _write_json_atomic(tmp / _json_name(name), obj)
+            write_json_atomic(tmp / _json_name(name), obj)
         write_manifest(tmp, _manifest_meta(info, train_cfg))
+        sign_folder(tmp)
         publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -293,7 +289,7 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
 
 
 def _json_name(name: str) -> str:
-    if "/" in name or name in (MANIFEST, PACKAGE_JSON):
+    if "/" in name or "\\" in name or name.startswith(".") or name in (MANIFEST, PACKAGE_JSON):
         raise ValueError(f"extra_json name {name!r} is reserved or not a plain file name")
     return name if name.endswith(".json") else f"{name}.json"
 
@@ -303,19 +299,29 @@ def _manifest_meta(info: dict, train_cfg: dict | None) -> dict:
             "target": info["target"], "training_config": train_cfg}
 
 
-def update_package_json(pkg_dir: str | Path, name: str, obj: dict) -> Path:
-    """Rewrite one JSON file of a package (e.g. ``speculation.json``) and its manifest entry.
+def update_package_json(pkg_dir: str | Path, name: str, obj: dict, allow_unsigned: bool = False,
+                        trusted_keys: Any = None) -> Path:
+    """Rewrite one JSON file of a package or export (e.g. ``speculation.json``), its manifest
+    entry and signature (re-signed with the local key).
 
-    The other files keep their recorded hashes, so a file tampered with before the update is
-    still detected afterwards.
+    The folder is verified first (signature and every file), so a tampered package is refused
+    rather than re-signed. One whose signature check is overridden (``allow_unsigned`` or
+    ``DRAFTSMITH_ALLOW_UNSIGNED=1``) is updated but left unsigned.
     """
     root = Path(pkg_dir)
-    manifest = read_manifest(root)
+    manifest, signer = verify_package(root, allow_unsigned=allow_unsigned,
+                                      trusted_keys=trusted_keys)
     rel = _json_name(name)
-    _write_json_atomic(root / rel, obj)
-    manifest.setdefault("files", {})[rel] = {"sha256": sha256_file(root / rel),
-                                             "size": (root / rel).stat().st_size}
-    _write_json_atomic(root / MANIFEST, manifest)
+    write_json_atomic(root / rel, obj)
+    manifest["files"][rel] = {"sha256": sha256_file(root / rel),
+                              "size": (root / rel).stat().st_size}
+    manifest.pop("signer", None)
+    write_json_atomic(root / MANIFEST, manifest)
+    if signer is not None:
+        sign_folder(root)
+    else:
+        (root / SIGNATURE).unlink(missing_ok=True)
+        log.warning("%s updated but left unsigned (its signature check was overridden)", root)
     return root / rel
 
 
@@ -326,18 +332,28 @@ def check_target(saved: dict, actual: Any, where: str = "draft package") -> None
         TargetIdentity.from_dict(_to_dict(actual)), where=where)
 
 
-def load_package(pkg_dir: str | Path, target: Any = None,
-                 allow_unverified: bool = False) -> DraftPackage:
+def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool = False,
+                 allow_unsigned: bool = False, trusted_keys: Any = None) -> DraftPackage:
     """Load and verify a draft package.
 
     Args:
         pkg_dir: the package folder.
         target: a ``LoadedTarget`` (``model``, ``identity``); when given, its identity must match
             the package's and frozen parts (EAGLE embedding / LM head) are attached from it.
-        allow_unverified: load despite integrity or identity problems (logs a loud warning).
+        allow_unverified: load despite integrity, signature or identity problems (logs a loud
+            warning).
+        allow_unsigned: load an unsigned package, or one signed by an untrusted key (logs a loud
+            warning; also ``DRAFTSMITH_ALLOW_UNSIGNED=1``); the manifest is still checked.
+        trusted_keys: PEM public keys (files or folders) trusted beside the default ones
+            (``heads.signing``).
+
+    The trusted signer's fingerprint is ``info["signer"]`` (None when the check was overridden).
 
     Raises:
-        PackageIntegrityError: a file is modified, truncated, missing or unlisted.
+        PackageSignatureError: unsigned, signed by an untrusted key, or the signature does not
+            match the files (a manifest rewritten to match tampered files).
+        PackageIntegrityError: a file is modified, truncated, missing, unlisted or a link, or the
+            manifest is malformed or names a path outside the package.
         TargetMismatchError: the draft was trained for another target or tokenizer.
     """
     root = Path(pkg_dir)
@@ -347,8 +363,8 @@ def load_package(pkg_dir: str | Path, target: Any = None,
             hint = " (a previous save was interrupted; the old package is beside it as .old-<pid>)"
         raise PackageIntegrityError(root,
                                     [f"'{PACKAGE_JSON}' is missing: not a draft package{hint}"])
-    manifest = verify_folder(root, allow_unverified)
-    info = json.loads((root / PACKAGE_JSON).read_text())
+    manifest, signer = verify_package(root, allow_unverified, allow_unsigned, trusted_keys)
+    info = {**json.loads((root / PACKAGE_JSON).read_text()), "signer": signer}
     _check_info(root, info, manifest, allow_unverified)
     if target is not None:
         try:
@@ -363,8 +379,8 @@ def load_package(pkg_dir: str | Path, target: Any = None,
     cfg = family.config_class.from_dict(info["head_config"])
     module = load_module(family, root, cfg, info, target)
     module.eval()
-    spec_path = root / "speculation.json"
-    speculation = json.loads(spec_path.read_text()) if spec_path.is_file() else None
+    listed_spec = listed(manifest, SPECULATION) and (root / SPECULATION).is_file()
+    speculation = json.loads((root / SPECULATION).read_text()) if listed_spec else None
     return DraftPackage(kind=kind, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(info["target"]), speculation=speculation,
                         path=root, info=info)

@@ -35,7 +35,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.dtype import resolve_dtype
+from data.prompts import check_prompt_set
 from eval import decode, session
+from eval.checks import check_out_dir, check_sampling, integer
 from eval.draft import DEFAULT_K, Measured, build_proposer, load_draft, resolve_k, settle
 from eval.kstar import environment
 from eval.stats import DecodeStats
@@ -442,16 +444,25 @@ def write_markdown(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _validate(cfg: DictConfig) -> Path:
+    """Every setting and ``out_dir`` (not an input), before the target loads; the questions."""
+    questions = repo_path(cfg.questions)
+    check_prompt_set(questions)  # a missing file, or a bad record (e.g. "turns": [])
+    for key, least in (("limit", 1), ("max_new_tokens", 1), ("k", 0)):  # k: null = K*
+        if cfg[key] is not None and integer(key, cfg[key], f"an integer >= {least}") < least:
+            raise ValueError(f"{key} must be >= {least}, got {cfg[key]}")
+    for t in cfg.temperatures:
+        check_sampling(t)
+    inputs = {"questions": questions, **{f: repo_path(cfg[f]) for f in FAMILIES if cfg.get(f)}}
+    check_out_dir("out_dir", repo_path(cfg.out_dir), inputs, ("results.json", "results.md"))
+    return questions
+
+
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark; returns the ``results.json`` dict."""
     from data.target import load_target
 
-    questions = repo_path(cfg.questions)
-    if not questions.is_file():
-        raise ValueError(f"questions={cfg.questions}: no such file ({questions}); pass the path "
-                         "of a FastChat question.jsonl (e.g. MT-bench's)")
-    if int(cfg.limit) < 1 or int(cfg.max_new_tokens) < 1:
-        raise ValueError("limit and max_new_tokens must be >= 1")
+    questions = _validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     t0 = time.perf_counter()

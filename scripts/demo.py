@@ -64,7 +64,8 @@ def main(extra: list[str]) -> None:
     export_dir = OUT / "export-eagle"
     export_json = OUT / "decode-export.json"
     times["export"] = sh([sys.executable, "scripts/export.py", f"draft={DRAFT}", "format=eagle",
-                          f"out={export_dir}"], "5a. export in the EAGLE layout (vLLM/SGLang)")
+                          f"out={export_dir}", "overwrite=true"],
+                         "5a. export in the EAGLE layout (vLLM/SGLang)")
     times["reload"] = sh([sys.executable, "eval/decode.py", f"draft={export_dir}", *PROMPTS,
                           *CHAIN, "baseline=false", f"out={export_json}"],
                          "5b. decode again from the export")

@@ -71,6 +71,61 @@ class ExportError(ValueError):
     """The draft cannot be written in the requested format without changing what it computes."""
 
 
+class OutPathError(ValueError):
+    """Writing the export to ``out`` would lose files (the package's or someone else's)."""
+
+
+def check_out(draft: Path, out: Path, overwrite: bool = False) -> None:
+    """Refuse an ``out`` whose replacement by the export would lose files.
+
+    Refused: the package itself, a folder inside it or one holding it, a file, and a non-empty
+    folder that is not a previous export of this package (``manifest.json`` with
+    ``export_format`` and ``source_package`` = this package); a previous export only with
+    ``overwrite``. New and empty folders are fine.
+
+    Raises:
+        OutPathError: naming the problem and the fix.
+    """
+    src, dst = draft.expanduser().resolve(), out.expanduser().resolve()
+    new = f"pass a new folder outside the package, e.g. out={src.parent / (src.name + '-export')}"
+    if dst == src:
+        raise OutPathError(f"out={out} is the draft package itself: the export would replace it "
+                           f"and its training config and logs would be lost; {new}")
+    if src in dst.parents:
+        raise OutPathError(f"out={out} is inside the draft package {draft}: the files written "
+                           "there are not in the package's manifest, which would no longer "
+                           f"load; {new}")
+    if dst in src.parents:
+        raise OutPathError(f"out={out} holds the draft package {draft}: the export replaces the "
+                           f"whole out folder and would delete the package; {new}")
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise OutPathError(f"out={out} is a file: the export is a folder; pass a folder path")
+    files = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*"))
+    if not files:
+        return
+    try:
+        manifest = json.loads((dst / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    source = manifest.get("source_package")
+    if not manifest.get("export_format") or not source:
+        shown = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
+        raise OutPathError(f"out={out} is a non-empty folder that is not an export of {draft} "
+                           f"({len(files)} entr{'y' if len(files) == 1 else 'ies'}: {shown}); "
+                           "exporting would delete them. Pass "
+                           "a new or empty folder, or remove this one yourself")
+    if str(source) != str(draft) and Path(str(source)).expanduser().resolve() != src:
+        raise OutPathError(f"out={out} holds an export of another package ({source}), not of "
+                           f"{draft}; pass a new folder, or remove this one yourself")
+    if not overwrite:
+        raise OutPathError(f"out={out} already holds a {manifest['export_format']} export of "
+                           f"{draft}; pass overwrite=true to replace it (atomically), or a new "
+                           "folder")
+
+
 # ----------------------------------------------------------------------------- helpers
 def speculative_tokens(speculation: dict | None, family: DraftFamily, head_config: Any) -> int:
     """Draft length to advertise: K* from ``speculation.json`` when measured, else a default."""
@@ -258,13 +313,15 @@ WRITERS = {"hf": _write_hf, "medusa": _write_medusa, "eagle": _write_eagle,
 def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = None,
                    engine: str = "vllm", num_speculative_tokens: int | None = None,
                    verifier: str | None = None, dtype: torch.dtype = torch.float32,
-                   allow_unverified: bool = False) -> Path:
+                   allow_unverified: bool = False, overwrite: bool = False) -> Path:
     """Export a verified draft package to a serving-engine layout (written atomically).
 
     Args:
         draft: the draft package folder.
         fmt: one of ``FORMATS``.
-        out: the export folder (replaced if it exists).
+        out: the export folder: new, empty, or (``overwrite``) a previous export of this same
+            package; never the package itself, a folder inside it or one holding it
+            (:func:`check_out`).
         target: optional ``LoadedTarget``; checked against the package and used for the tokenizer
             of ``hf`` exports whose package has none.
         engine: ``vllm`` or ``sglang`` (EAGLE-1 architecture name and fc-bias support).
@@ -273,11 +330,16 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         verifier: the target's name or path as engines should load it; None = identity name.
         dtype: weight dtype of the export.
         allow_unverified: export a package that fails its integrity check (warns loudly).
+        overwrite: replace ``out`` when it holds a previous export of this package (atomically).
+
+    Raises:
+        OutPathError: writing ``out`` would lose files (nothing was written).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    check_out(Path(draft), Path(out), overwrite)
     pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
     if fmt not in pkg.family.export_formats:
         raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
@@ -303,6 +365,12 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
             "head_config": pkg.info["head_config"], "target_config": pkg.info.get("target_config"),
             "training_config": src.get("training_config"), "num_speculative_tokens": k,
             "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path)})
+        if pkg.info.get("signer") is not None:  # an unverified source gives an unsigned export
+            from heads.signing import sign_folder
+            sign_folder(tmp)
+        else:
+            log.warning("export %s left unsigned: its package was loaded without a trusted "
+                        "signature", out)
         publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -320,6 +388,7 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 @hydra.main(config_path="../conf/eval", config_name="export", version_base="1.3")
 def main(cfg: Any) -> Path:
     """Command line: export ``cfg.draft`` as ``cfg.format`` into ``cfg.out``."""
+    check_out(Path(cfg.draft), Path(cfg.out), bool(cfg.get("overwrite", False)))  # before loading
     target = None
     if cfg.target_path is not None or cfg.check_target:
         from data.target import load_target
@@ -331,7 +400,8 @@ def main(cfg: Any) -> Path:
     out = export_package(cfg.draft, cfg.format, cfg.out, target=target, engine=cfg.engine,
                          num_speculative_tokens=cfg.num_speculative_tokens,
                          verifier=cfg.verifier, dtype=dtype,
-                         allow_unverified=cfg.allow_unverified)
+                         allow_unverified=cfg.allow_unverified,
+                         overwrite=bool(cfg.get("overwrite", False)))
     print(f"exported {cfg.draft} as format={cfg.format} to {out}")
     return out
 

@@ -6,8 +6,11 @@ Training keeps fp32 master weights; a release stores them in ``dtype`` (bf16 by 
 weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly). Integer and bool
 buffers (an EAGLE-3 head's d2t / t2d maps) are kept. ``release.json`` records the source
 package's manifest sha256, the command and the date. The source is verified first (its manifest
-and target identity), and ``out`` must not be the source or inside it. The result loads like any
-package (``heads.package.load_package``).
+and target identity, and its signature: a trusted signer), and ``out`` must not be the source or
+inside it. The release is signed with the local signing key (``heads.signing``); for an official
+release point ``DRAFTSMITH_SIGNING_KEY`` at the release private key, whose public key is
+``releases/keys/draftsmith-release.pub`` (trusted by every loader of this repository). The result
+loads like any package (``heads.package.load_package``).
 """
 from __future__ import annotations
 
@@ -28,8 +31,10 @@ from heads.family import WEIGHTS, get_family
 from heads.package import (
     MANIFEST,
     PACKAGE_JSON,
+    SIGNATURE,
     fresh_tmp_dir,
     publish_dir,
+    sign_folder,
     verify_folder,
     write_manifest,
 )
@@ -54,8 +59,10 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
                          "a transformers folder: save it with save_pretrained(torch_dtype=...)")
     tmp = fresh_tmp_dir(dst)
     try:
-        for f in sorted(p for p in src.rglob("*") if p.is_file() and p.name != MANIFEST):
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
             rel = f.relative_to(src)
+            if rel.as_posix() in (MANIFEST, SIGNATURE):  # written anew below
+                continue
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             if rel.as_posix() == WEIGHTS:
                 state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
@@ -71,7 +78,8 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
                       timespec="seconds")}
         (tmp / "release.json").write_text(json.dumps(record, indent=2))
         old = json.loads((src / MANIFEST).read_text())
-        write_manifest(tmp, {k: v for k, v in old.items() if k != "files"})
+        write_manifest(tmp, {k: v for k, v in old.items() if k not in ("files", "signer")})
+        sign_folder(tmp)
         publish_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

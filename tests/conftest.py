@@ -77,6 +77,19 @@ def make_tiny_target(seed: int = 0, name: str = "tiny", **kw):
     return _TinyLoaded(model=model, tokenizer=None, identity=ident)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _signing_key(tmp_path_factory):
+    """Packages written by tests are signed with a throwaway key, never ~/.config's; trusted
+    keys and the unsigned override come only from the tests themselves (subprocesses inherit
+    this environment)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DRAFTSMITH_SIGNING_KEY", str(tmp_path_factory.mktemp("signing") / "test-key.pem"))
+    mp.delenv("DRAFTSMITH_TRUSTED_KEYS", raising=False)
+    mp.delenv("DRAFTSMITH_ALLOW_UNSIGNED", raising=False)
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,107 @@ def save_checkpoint(accelerator, out_dir: str | Path, step: int, trainer_state: 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     with open(ckpt / STATE_FILE) as f:
         return json.load(f)
+
+
+# ----------------------------------------------------------------------------- provenance
+# Resolved-config keys (and key prefixes) a resumed run may change: none of them changes the
+# weights a checkpoint holds or how training goes on from it. Where the run writes and what it
+# is called; logging and trackers; how often it logs, validates and saves and how many
+# checkpoints it keeps (eval_batches only sizes validation); whether it resumes; FLOP counting;
+# CPU threads; how the teacher is computed (teacher_logits_budget chunks the same math,
+# teacher_per_token computes each distinct row once, equal to the per-position path); where the
+# feature cache lives (its key is the data settings, which are compared); the target's label
+# (not part of its identity). Everything else, e.g. optim.lr, seed, draft.*, loss.*, data.*
+# and the launcher, must be equal.
+RESUME_FREE_KEYS = ("name", "out_dir", "logging", "train.log_every", "train.eval_every",
+                    "train.eval_batches", "train.save_every", "train.keep_checkpoints",
+                    "train.resume", "train.count_flops", "train.cpu_threads",
+                    "train.teacher_logits_budget", "train.teacher_per_token", "data.cache.dir",
+                    "target.name")
+# May grow (a longer run continues the same one); a smaller value is a difference.
+GROWING_KEYS = ("train.max_steps",)
+# ``auto`` in this run matches whatever the checkpoint's run measured (and recorded) for it.
+AUTO_KEYS = ("target.dtype", "train.mixed_precision")
+# What a run writes into out_dir besides Hydra's own folder: moved aside when a run starts over.
+RUN_FILES = ("checkpoints", "train_log.jsonl", "validation_init.json", "validation.json",
+             "summary.json", "draft")
+_ABSENT = "<absent>"
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else
+                   {f"{prefix}{k}": v})
+    return out
+
+
+def _free(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUME_FREE_KEYS)
+
+
+def config_differences(saved: dict, current: dict, auto: tuple[str, ...] = ()) -> list[str]:
+    """``key: checkpoint A, this run B`` for every resolved-config key that differs and would
+    change the weights (``RESUME_FREE_KEYS`` are skipped, ``GROWING_KEYS`` may grow, the
+    ``auto`` keys match any recorded value); empty = the checkpoint may be resumed."""
+    old, new = _flat(saved), _flat(current)
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if a == b or _free(key) or key in auto:
+            continue
+        if (key in GROWING_KEYS and isinstance(a, (int, float))
+                and isinstance(b, (int, float)) and b >= a):
+            continue
+        diffs.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+    return diffs
+
+
+def check_resumable(ckpt: Path, current: dict, auto: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The trainer state of ``ckpt`` if this run's resolved config ``current`` may resume it.
+
+    Raises:
+        ConfigError: the checkpoint's recorded config differs (each key with both values) or
+            none is recorded, with the fixes.
+    """
+    from train.config import ConfigError
+
+    state = load_trainer_state(ckpt)
+    saved = state.get("config")
+    out_dir = ckpt.parent.parent
+    fix = ("Fix: pass train.resume=false to start over in the same out_dir (the earlier run's "
+           "files are moved aside, not deleted), or a new out_dir=..., or rerun with the "
+           "checkpoint's values to continue it")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{ckpt} records no training config, so resuming it could mix weights "
+                          f"trained with other settings into this run's package. {fix}")
+    diffs = config_differences(saved, current, auto)
+    if diffs:
+        raise ConfigError(f"out_dir={out_dir} holds a checkpoint ({ckpt.name}) trained with "
+                          "another config; resuming it would write a package whose config "
+                          "does not describe its weights:\n  - " + "\n  - ".join(diffs)
+                          + f"\n{fix}")
+    return state
+
+
+def move_previous_run(out_dir: str | Path) -> Path | None:
+    """Move the files of an earlier run in ``out_dir`` (``RUN_FILES``) into
+    ``<out_dir>/previous-<time>/`` so that a run starting over mixes nothing into them and
+    loses nothing; returns that folder (None: nothing to move)."""
+    out_dir = Path(out_dir)
+    found = [out_dir / n for n in RUN_FILES if (out_dir / n).exists()]
+    if not found:
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+    aside = out_dir / f"previous-{stamp}"
+    while aside.exists():
+        n += 1
+        aside = out_dir / f"previous-{stamp}-{n}"
+    aside.mkdir()
+    for p in found:
+        os.replace(p, aside / p.name)
+    log.warning("out_dir %s held an earlier run and this one starts over: moved %s into %s",
+                out_dir, ", ".join(p.name for p in found), aside)
+    return aside

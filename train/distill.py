@@ -80,6 +80,8 @@ class DistillRecipe:
 
     def __init__(self, cfg: DictConfig):
         validate_config(cfg)
+        # keys this run leaves to measurement: they match what a checkpoint's run measured
+        self.auto_keys = tuple(k for k in ckpt.AUTO_KEYS if OmegaConf.select(cfg, k) == "auto")
         resolve_auto_dtypes(cfg)
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
@@ -97,6 +99,7 @@ class DistillRecipe:
         torch.manual_seed(cfg.seed)
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._check_previous_run()  # before any work: a checkpoint of another config is refused
         log.info("launcher=%s distributed_type=%s processes=%d device=%s mixed_precision=%s "
                  "torch_threads=%d malloc=%s", cfg.launcher.name, acc.distributed_type.name,
                  acc.num_processes, acc.device, acc.mixed_precision, torch.get_num_threads(),
@@ -176,6 +179,20 @@ class DistillRecipe:
             raise ConfigError(
                 f"DeepSpeed clips gradients at {clip} (its JSON 'gradient_clipping') but "
                 f"train.max_grad_norm={self.cfg.train.max_grad_norm}; set both to the same value")
+
+    def _check_previous_run(self) -> None:
+        """Resuming: the newest checkpoint's recorded config must match this run's
+        (``train.checkpoint.check_resumable``, else ConfigError). Starting over (no checkpoint,
+        or ``train.resume=false``): an earlier run's files are moved aside, never mixed in."""
+        acc = self.accelerator
+        last = ckpt.latest_checkpoint(self.out_dir) if self.cfg.train.resume else None
+        if last is not None:
+            current = OmegaConf.to_container(self.cfg, resolve=True)
+            ckpt.check_resumable(last, current, self.auto_keys)
+            return
+        if acc.is_main_process:
+            ckpt.move_previous_run(self.out_dir)
+        acc.wait_for_everyone()
 
     def _resume(self) -> None:
         acc = self.accelerator

@@ -46,3 +46,18 @@ def test_errors(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(PromptSetError, match="no questions"):
         load_prompts(tmp_path / "e.jsonl")
+
+
+def test_a_question_without_turns_is_refused_naming_file_line_and_id(tmp_path):
+    from data.prompts import check_prompt_set
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 81, "turns": ["hi"]}\n\n'
+                    '{"question_id": 82, "category": "x", "turns": []}\n')
+    want = rf"{path}:3: question 82 has no turns \('turns': \[\]\); give it at least one"
+    with pytest.raises(ValueError, match=want):
+        load_prompts(path)
+    with pytest.raises(ValueError, match=want):  # the CLIs' check before any model loads
+        check_prompt_set(path)
+    with pytest.raises(PromptSetError, match=r"unknown prompt set '.*/none\.jsonl': no such file"):
+        check_prompt_set(tmp_path / "none.jsonl")

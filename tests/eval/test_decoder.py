@@ -301,3 +301,46 @@ def test_eagle_chain_feeds_the_lm_head_a_canonical_row(target_model):
         PROMPTS[1], max_new_tokens=6)
     h = target_model.config.hidden_size
     assert seen and all(s == (h, h, 1) for s in seen), seen
+
+
+class RecordingDraft(DraftLMProposer):
+    """A sampling draft LM that records the device of the generator it drafts with."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.generator_devices: list[torch.device] = []
+
+    def propose(self, ctx, k):
+        self.generator_devices.append(ctx.generator.device)
+        return super().propose(ctx, k)
+
+
+def test_the_generator_is_made_on_the_target_device(target_model, monkeypatch):
+    """CUDA refuses a CPU generator for ``torch.rand`` / ``torch.multinomial`` on its tensors: the
+    decoder must ask for one on the target's device (tests/eval/test_gpu.py runs it at T = 1)."""
+    made = []
+    real = torch.Generator
+
+    def generator(device=None):
+        made.append(device)
+        return real() if device is None else real(device=device)
+
+    draft = RecordingDraft(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB)
+    dec = SpeculativeDecoder(target_model, draft, k=3, adaptive=False, fallback=False)
+    monkeypatch.setattr(torch, "Generator", generator)
+    res = dec.generate(PROMPTS[0], 12, temperature=1.0, seed=5)
+    monkeypatch.undo()
+    assert made == [dec.target.device]  # asked for explicitly, not torch's default device
+    assert draft.generator_devices and set(draft.generator_devices) == {dec.target.device}
+    # on the CPU the draws are bit-identical to those of a default generator with the same seed
+    ref = dec.generate(PROMPTS[0], 12, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    assert res.output_ids == ref.output_ids and res.stats.drafted > 0
+
+
+def test_a_generator_on_another_device_is_refused(target_model):
+    class CudaGenerator:  # what torch.Generator(device="cuda") reports, without needing CUDA
+        device = torch.device("cuda", 0)
+
+    dec = SpeculativeDecoder(target_model, PlainProposer(), k=0)
+    with pytest.raises(ValueError, match=r"generator is on cuda:0 but the target on cpu"):
+        dec.generate(PROMPTS[0], 4, temperature=1.0, generator=CudaGenerator())

@@ -256,3 +256,123 @@ def test_draft_vocab_with_q_on_the_wrong_ids_fails(monkeypatch):
 
     monkeypatch.setattr(DraftLMProposer, "_scatter_q", misplaced)
     assert _e2e_p_value("draft-lm-chain-vocab") < 0.01
+
+
+# ------------------------------------------------- end to end, K = 3 chains and depth-3 trees
+# Three drafts need max_new_tokens >= K + 2 (the prefill gives the first token and the last step
+# keeps room for its bonus token); with NEW = 3 above K is capped at 1. A binary vocabulary keeps
+# the whole output enumerable at 6 new tokens (64 outcomes), so the chi-square is over whole
+# outputs again. Twins corrupt q at the third draft position only and must fail.
+DEEP_V, DEEP_NEW, DEEP_K, DEEP_SAMPLES = 2, 6, 3, 600
+DEEP_PROMPT = [1, 0, 1]
+DEEP_SETTINGS = [{"temperature": 0.7, "top_k": 0, "top_p": 1.0},
+                 {"temperature": 1.0, "top_k": 0, "top_p": 1.0}]
+DEEP_KINDS = ["lm-chain", "lm-tree", "eagle-chain", "eagle-tree"]
+
+
+def _binary_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=DEEP_V, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=True, rope_theta=10000.0,
+                      initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class WrongQAtDepth3:
+    """A proposer wrapper whose ``q`` rows of the depth-3 nodes (the third drafted position) are
+    shifted by one token id (a misaligned q; point-mass nodes get the one-hot of the wrong id)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.kind, self.layer_ids, self.tree = inner.kind, inner.layer_ids, inner.tree
+        self.lossless = True
+
+    def reset(self, tokens, target_out) -> None:
+        self.inner.reset(tokens, target_out)
+
+    def accept(self, path, new_tokens, target_out) -> None:
+        self.inner.accept(path, new_tokens, target_out)
+
+    def propose(self, ctx, k):
+        from eval.proposers import Proposal
+
+        prop = self.inner.propose(ctx, k)
+        q = (prop.q if prop.q is not None
+             else torch.nn.functional.one_hot(prop.tokens, DEEP_V).float()).clone()
+        at = prop.depth() == 3
+        q[at] = q[at].roll(1, dims=-1)
+        return Proposal(prop.tokens, prop.parents, q)
+
+
+def _deep_proposer(kind: str, model):
+    import copy
+
+    from eval.proposers import DraftLMProposer
+    from eval.proposers_eagle import EagleProposer
+    from heads.eagle import EagleConfig, build_eagle
+    from tests.conftest import randomize
+
+    tree = kind.endswith("tree")
+    if kind.startswith("lm"):  # the target plus noise: long accepted prefixes, some rejections
+        draft = randomize(randomize(copy.deepcopy(model), seed=2), seed=5)
+        return DraftLMProposer(draft, DEEP_V, tree=tree, topk=2, total_tokens=10)
+    # an EAGLE head that is the target's layer over the token embeddings (plus a little of the
+    # target's features, and noise): it agrees with the target often enough to reach depth 3
+    head = build_eagle(EagleConfig(layout="normed", init_layer=0), model)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.bias.zero_()
+        head.fc.weight[:, :h] = 0.3 * torch.randn(h, h, generator=torch.Generator().manual_seed(5))
+        head.fc.weight[:, h:] = torch.eye(h)
+    return EagleProposer(randomize(head, seed=3), DEEP_V, tree=tree, topk=2, total_tokens=10)
+
+
+def _deep_exact(model, setting: dict) -> torch.Tensor:
+    """(V**NEW,) exact warped distribution of DEEP_NEW new tokens (index = base-V number)."""
+    rest = torch.tensor(list(itertools.product(range(DEEP_V), repeat=DEEP_NEW - 1)))
+    seqs = torch.cat([torch.tensor(DEEP_PROMPT).expand(len(rest), -1), rest], 1)
+    with torch.no_grad():
+        p = warp(model(seqs).logits[:, len(DEEP_PROMPT) - 1:], **setting).double()
+    joint = torch.ones(len(rest), dtype=torch.float64)
+    for j in range(DEEP_NEW - 1):
+        joint = joint * p[torch.arange(len(rest)), j, rest[:, j]]
+    return (joint[:, None] * p[:, -1]).flatten().float()
+
+
+def _deep_p_value(kind: str, setting: dict, corrupt: bool = False) -> float:
+    from eval.decoder import SpeculativeDecoder
+
+    model = _binary_llama(seed=1)
+    proposer = _deep_proposer(kind, model)
+    if corrupt:
+        proposer = WrongQAtDepth3(proposer)
+    dec = SpeculativeDecoder(model, proposer, k=DEEP_K, adaptive=False, fallback=False)
+    g = torch.Generator().manual_seed(0)
+    outs, deepest, reached_3 = [], 0, 0
+    for _ in range(DEEP_SAMPLES):
+        res = dec.generate(DEEP_PROMPT, max_new_tokens=DEEP_NEW, generator=g, **setting)
+        assert len(res.output_ids) == DEEP_NEW
+        outs.append(int("".join(map(str, res.output_ids)), DEEP_V))
+        deepest = max(deepest, len(res.stats.reached))
+        reached_3 += res.stats.reached[2] if len(res.stats.reached) > 2 else 0
+    assert deepest == DEEP_K  # K = 3 was drafted, not capped
+    assert reached_3 > DEEP_SAMPLES // 4  # and the third position was decided often
+    return chi_square_p(torch.tensor(outs), _deep_exact(model, setting))
+
+
+@pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
+@pytest.mark.parametrize("kind", DEEP_KINDS)
+def test_deep_chains_and_trees_sample_exactly(kind, setting):
+    assert _deep_p_value(kind, setting) > 0.01
+
+
+@pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
+@pytest.mark.parametrize("kind", DEEP_KINDS)
+def test_twin_a_wrong_q_at_the_third_position_fails(kind, setting):
+    """Twin: the same test with q misaligned at draft position 3 only."""
+    p = _deep_p_value(kind, setting, corrupt=True)
+    assert p < 1e-3, f"{kind} with a wrong q at position 3 passed the exactness test: p = {p:.3g}"

@@ -20,6 +20,7 @@ from heads.medusa import MedusaConfig, build_medusa
 from heads.package import (
     MANIFEST,
     PACKAGE_JSON,
+    SIGNATURE,
     PackageIntegrityError,
     TargetMismatchError,
     load_package,
@@ -88,8 +89,9 @@ def test_manifest_records_every_file_and_the_provenance(tmp_path):
     out, _ = _medusa_package(tmp_path, target, train_config={"seed": 7},
                              extra_json={"validation.json": {"a_hat": [0.5]}})
     manifest = json.loads((out / MANIFEST).read_text())
-    on_disk = sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
+    on_disk = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, SIGNATURE))
     assert sorted(manifest["files"]) == on_disk
+    assert (out / SIGNATURE).is_file() and len(manifest["signer"]["fingerprint"]) == 16
     assert {"training_config.yaml", "validation.json", WEIGHTS, PACKAGE_JSON} <= set(on_disk)
     for name, entry in manifest["files"].items():
         assert entry["sha256"] == sha256_file(out / name)
@@ -176,8 +178,10 @@ def test_update_package_json_keeps_the_manifest_valid_and_tamper_evident(tmp_pat
     out, _ = _medusa_package(tmp_path, target)
     update_package_json(out, "speculation.json", {"k_star": 4, "alpha": [0.7]})
     assert load_package(out, target=target).speculation == {"k_star": 4, "alpha": [0.7]}
-    _flip_byte(out / WEIGHTS)  # tampered before the next update: still caught afterwards
-    update_package_json(out, "speculation", {"k_star": 5})
+    _flip_byte(out / WEIGHTS)  # tampered before the next update: refused, not re-signed
+    with pytest.raises(PackageIntegrityError, match=r"'model\.safetensors' was modified"):
+        update_package_json(out, "speculation", {"k_star": 5})
+    assert json.loads((out / "speculation.json").read_text()) == {"k_star": 4, "alpha": [0.7]}
     with pytest.raises(PackageIntegrityError, match="was modified"):
         load_package(out, target=target)
 
@@ -259,3 +263,92 @@ def test_eagle_round_trip_with_and_without_target(tmp_path):
     alone.module.attach_target(target.model)
     torch.testing.assert_close(alone.module.compute_logits(alone.module(feats, ids)), want,
                                rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- every file listed
+def _rewrite_manifest(out: Path, change) -> None:
+    manifest = json.loads((out / MANIFEST).read_text())
+    change(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_unlisted_speculation_json_is_refused_a_listed_one_is_read(tmp_path):
+    target = make_tiny_target()
+    out, _ = _medusa_package(tmp_path, target)
+    assert load_package(out).speculation is None
+    (out / "speculation.json").write_text('{"k_star": 9}')  # dropped in: would set K*
+    with pytest.raises(PackageIntegrityError) as err:
+        load_package(out, target=target)
+    assert ("file 'speculation.json' is not listed in manifest.json (unlisted files are refused)"
+            in str(err.value))
+    with pytest.raises(PackageIntegrityError, match=r"'token_frequency\.json' is not listed"):
+        (out / "speculation.json").unlink()
+        (out / "token_frequency.json").write_text("{}")
+        load_package(out)
+    (out / "token_frequency.json").unlink()
+    update_package_json(out, "speculation", {"k_star": 2})  # listed (and signed): read
+    assert load_package(out, target=target).speculation == {"k_star": 2}
+
+
+@pytest.mark.parametrize("entry", ["../../../../etc/hostname", "/etc/hostname", "sub/../../x",
+                                   "./model.safetensors", "a\\b", "a//b"])
+def test_manifest_paths_outside_the_package_are_refused_unopened(tmp_path, monkeypatch, entry):
+    from heads import manifest as manifest_mod
+
+    target = make_tiny_target()
+    out, _ = _medusa_package(tmp_path, target)
+    _rewrite_manifest(out, lambda m: m["files"].__setitem__(
+        entry, {"sha256": "0" * 64, "size": 1}))
+    opened = []
+    real = manifest_mod.sha256_file
+    monkeypatch.setattr(manifest_mod, "sha256_file", lambda p: opened.append(Path(p)) or real(p))
+    with pytest.raises(PackageIntegrityError) as err:
+        load_package(out, target=target)
+    assert f"entry {entry!r} in manifest.json" in str(err.value)
+    assert opened == []  # refused before any file is hashed: nothing outside is ever read
+
+
+def test_symlinks_are_refused_even_to_identical_content(tmp_path):
+    target = make_tiny_target()
+    out, _ = _medusa_package(tmp_path, target)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((out / WEIGHTS).read_bytes())
+    (out / WEIGHTS).unlink()
+    (out / WEIGHTS).symlink_to(outside)  # the listed hash still matches through the link
+    with pytest.raises(PackageIntegrityError) as err:
+        load_package(out, target=target)
+    assert ("'model.safetensors' is a symbolic link (links are refused: they can point outside "
+            "the package)") in str(err.value)
+    (out / WEIGHTS).unlink()
+    (out / WEIGHTS).write_bytes(outside.read_bytes())  # the real file back: loads
+    load_package(out, target=target)
+    (out / "extra").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(PackageIntegrityError, match=r"'extra' is a symbolic link"):
+        load_package(out, target=target)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: m["files"][WEIGHTS].pop("size"),
+     "entry 'model.safetensors' in manifest.json has no 'size'"),
+    (lambda m: m["files"][WEIGHTS].pop("sha256"),
+     "entry 'model.safetensors' in manifest.json has no 'sha256'"),
+    (lambda m: m["files"][WEIGHTS].__setitem__("size", "12"),
+     "entry 'model.safetensors' in manifest.json: 'size' '12' is not a non-negative integer"),
+    (lambda m: m["files"][WEIGHTS].__setitem__("sha256", 5),
+     "entry 'model.safetensors' in manifest.json: 'sha256' 5 is not 64 lowercase hex digits"),
+    (lambda m: m["files"].__setitem__(WEIGHTS, "abc"),
+     "entry 'model.safetensors' in manifest.json is not an object with sha256 and size"),
+    (lambda m: m.__setitem__("files", ["model.safetensors"]),
+     "'files' in 'manifest.json' is not an object"),
+    (lambda m: m.pop("files"), "'files' in 'manifest.json' is missing"),
+])
+def test_malformed_manifest_is_an_integrity_error_naming_the_entry(tmp_path, change, message):
+    target = make_tiny_target()
+    out, _ = _medusa_package(tmp_path, target)
+    _rewrite_manifest(out, change)
+    with pytest.raises(PackageIntegrityError) as err:
+        load_package(out, target=target)
+    assert message in str(err.value)
+    (out / MANIFEST).write_text("[1, 2]")
+    with pytest.raises(PackageIntegrityError, match="'manifest.json' is not a JSON object"):
+        load_package(out, target=target)

@@ -17,6 +17,7 @@ from data.target import TargetIdentity
 from heads.draft_lm import DraftLMConfig, build_draft_lm
 from heads.eagle import EagleConfig, build_eagle
 from heads.exports import WEIGHTS_FILE, import_export
+from heads.manifest import SIGNATURE
 from heads.medusa import MedusaConfig, build_medusa
 from heads.package import (
     MANIFEST,
@@ -26,7 +27,7 @@ from heads.package import (
     save_package,
 )
 from scripts import export
-from scripts.export import ExportError, export_package, tensor_shapes
+from scripts.export import ExportError, OutPathError, export_package, tensor_shapes
 from scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +47,8 @@ def _conforms(out: Path, fmt: str) -> None:
     config = json.loads((out / "config.json").read_text())
     assert layout_problems(fmt, config, tensor_shapes(out / WEIGHTS_FILE[fmt])) == []
     manifest = json.loads((out / MANIFEST).read_text())
-    assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
+    assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir()
+                                               if p.name not in (MANIFEST, SIGNATURE))
 
 
 @pytest.fixture
@@ -291,6 +293,123 @@ def test_export_refusals(lm_package, tmp_path):
         import_export(out)
     with pytest.raises(TargetMismatchError, match="weights_sha256"):
         import_export(out, target=make_tiny_target(seed=5), allow_unverified=True)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_out_is_the_package_itself_is_refused_and_the_package_kept(lm_package):
+    _, _, pkg = lm_package
+    before = _snapshot(pkg)
+    assert "training_config.yaml" in before
+    with pytest.raises(OutPathError, match=r"is the draft package itself: the export would "
+                                           r"replace it .* pass a new folder outside"):
+        export_package(pkg, "hf", pkg)
+    assert _snapshot(pkg) == before
+    load_package(pkg)
+
+
+def test_out_inside_the_package_is_refused_and_the_package_still_loads(lm_package):
+    _, _, pkg = lm_package
+    before = _snapshot(pkg)
+    with pytest.raises(OutPathError, match=r"is inside the draft package .* would no longer load"):
+        export_package(pkg, "hf", pkg / "export")
+    assert not (pkg / "export").exists() and _snapshot(pkg) == before
+    load_package(pkg)
+
+
+def test_out_holding_the_package_is_refused(lm_package, tmp_path):
+    _, _, pkg = lm_package
+    before = _snapshot(tmp_path)
+    with pytest.raises(OutPathError, match=r"holds the draft package .* would delete the package"):
+        export_package(pkg, "hf", tmp_path)
+    assert _snapshot(tmp_path) == before
+    load_package(pkg)
+
+
+def test_out_non_empty_foreign_folder_is_refused_and_kept(lm_package, tmp_path):
+    _, _, pkg = lm_package
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    with pytest.raises(OutPathError, match=r"is a non-empty folder that is not an export of .*"
+                                           r"\(3 entries: notes\.txt, sub, sub/data\.bin\); "
+                                           r"exporting would delete them"):
+        export_package(pkg, "hf", mine)
+    assert _snapshot(mine) == {"notes.txt": b"keep me", "sub/data.bin": b"\x00\x01"}
+    (tmp_path / "empty").mkdir()  # an empty folder is fine
+    import_export(export_package(pkg, "hf", tmp_path / "empty"))
+
+
+def test_previous_export_is_replaced_only_with_overwrite(lm_package, tmp_path):
+    target, draft, pkg = lm_package
+    out = export_package(pkg, "hf", tmp_path / "hf")
+    before = _snapshot(out)
+    with pytest.raises(OutPathError, match=r"already holds a hf export of .*; pass "
+                                           r"overwrite=true to replace it"):
+        export_package(pkg, "hf", out)
+    assert _snapshot(out) == before
+    # another package's export is not "previous": refused even with overwrite
+    other = save_package(tmp_path / "other", "lm", draft, pkg_config(pkg), target.identity)
+    with pytest.raises(OutPathError, match=r"holds an export of another package"):
+        export_package(other, "hf", out, overwrite=True)
+    assert _snapshot(out) == before
+    assert export_package(pkg, "hf", out, overwrite=True) == out
+    import_export(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "lm", "other"]  # no .old / .tmp
+
+
+def pkg_config(pkg: Path) -> DraftLMConfig:
+    return DraftLMConfig.from_dict(json.loads((pkg / "draftsmith.json").read_text())["head_config"])
+
+
+def test_command_line_refuses_out_before_loading_anything(lm_package, tmp_path):
+    _, _, pkg = lm_package
+    before = _snapshot(pkg)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), f"draft={pkg}",
+                           "format=hf", f"out={pkg}", "check_target=true"], check=False,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0 and "is the draft package itself" in proc.stderr
+    assert "load_target" not in proc.stderr  # refused before the target was loaded
+    assert _snapshot(pkg) == before
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_path, caplog):
+    import logging
+    import os
+
+    from heads.package import remove_stale_siblings
+
+    _, _, pkg = lm_package
+    out, dead, live = tmp_path / "hf", _dead_pid(), os.getppid()
+    for name in (f"hf.tmp-{dead}", f"hf.old-{dead}", f"hf.tmp-{live}", "hf.tmp-notapid"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "half.bin").write_bytes(b"x")
+    with caplog.at_level(logging.WARNING, logger="heads.package"):
+        export_package(pkg, "hf", out)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["hf", f"hf.tmp-{live}", "hf.tmp-notapid", "lm"]  # a live writer's kept
+    for name in (f"hf.tmp-{dead}", f"hf.old-{dead}"):
+        assert f"removing {tmp_path / name}, left by process {dead}" in caplog.text
+    # this process's own folder (a live pid) is never removed by the clean-up
+    mine = tmp_path / f"x.tmp-{os.getpid()}"
+    mine.mkdir()
+    assert remove_stale_siblings(tmp_path / "x") == [] and mine.is_dir()
+    # without <out>, a dead writer's .old-<pid> is the only previous copy: kept, named
+    (tmp_path / f"gone.old-{dead}").mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="heads.package"):
+        assert remove_stale_siblings(tmp_path / "gone") == []
+    assert (tmp_path / f"gone.old-{dead}").is_dir() and "kept (move it back with" in caplog.text
 
 
 def test_command_line(lm_package, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +11,19 @@ from safetensors.torch import load_file
 
 from heads.eagle import EagleConfig, build_eagle
 from heads.family import WEIGHTS
-from heads.package import PackageIntegrityError, load_package, save_package
+from heads.package import (
+    MANIFEST,
+    SIGNATURE,
+    PackageIntegrityError,
+    PackageSignatureError,
+    load_package,
+    save_package,
+    verify_package,
+)
+from heads.signing import RELEASE_KEYS, _load_public, fingerprint, public_key_of, sign_folder
 from scripts.release import release
+
+COMMITTED = Path(__file__).resolve().parents[2] / "releases" / "eagle3-smollm2-135m"
 
 
 def _eagle3_package(tmp_path):
@@ -36,6 +48,8 @@ def test_release_stores_16_bit_weights_keeps_the_maps_and_verifies(tmp_path):
     rec = json.loads((out / "release.json").read_text())
     assert rec["weights_dtype"] == "bfloat16" and len(rec["source_manifest_sha256"]) == 64
     pkg = load_package(out, target=target)
+    assert pkg.info["signer"] == fingerprint(_load_public(public_key_of()))  # signed anew
+    assert SIGNATURE not in json.loads((out / MANIFEST).read_text())["files"]
     feats = torch.randn(1, 4, 2 * target.model.config.hidden_size)
     ids = torch.randint(0, target.model.config.vocab_size, (1, 4))
     bf16 = head.to(torch.bfloat16)
@@ -57,16 +71,26 @@ def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(
     for bad in (src, src / "inner"):
         with pytest.raises(ValueError, match="inside it"):
             release(src, bad)
+    sign_folder(src, private_key=tmp_path / "someone-else.pem")  # an untrusted source
+    with pytest.raises(PackageSignatureError, match="not trusted"):
+        release(src, tmp_path / "rel2")
     with pytest.raises(ValueError, match="dtype"):
         release(src, tmp_path / "x", dtype="int8")
 
 
+def test_the_committed_release_is_signed_by_the_committed_release_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_SIGNING_KEY", str(tmp_path / "no-local-key.pem"))
+    release_fp = fingerprint(_load_public(RELEASE_KEYS / "draftsmith-release.pub"))
+    manifest, signer = verify_package(COMMITTED)  # signature, then every file listed and intact
+    assert signer == release_fp == manifest["signer"]["fingerprint"]
+    assert not (tmp_path / "no-local-key.pem").exists()  # verifying makes no key
+
+
 @pytest.mark.real
 def test_the_committed_release_loads_verifies_and_drafts_inside_its_vocabulary(real_target):
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2] / "releases" / "eagle3-smollm2-135m"
-    pkg = load_package(root, target=real_target)  # manifest + target identity checked
+    root = COMMITTED
+    pkg = load_package(root, target=real_target)  # signature, manifest, target identity checked
+    assert pkg.info["signer"] == fingerprint(_load_public(RELEASE_KEYS / "draftsmith-release.pub"))
     head = pkg.module
     assert pkg.kind == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 30]
     assert load_file(str(root / WEIGHTS))["fc.weight"].dtype == torch.bfloat16

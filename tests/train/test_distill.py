@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,10 +196,67 @@ def test_sigkill_then_resume_equals_uninterrupted(warm_cache, tmp_path):
     proc.wait()
     assert not (run / "draft").exists(), "killed too late: the run had already finished"
 
-    _launch(["--config_file", "conf/accelerate/single.yaml"], run, common, port=29612)
-    log = (run / "train_log.jsonl").read_text()
-    assert '"step": 8' in log
+    from train.checkpoint import latest_checkpoint
+
+    ckpt, logged = latest_checkpoint(run), _log_rows(run)
+    proc = _launch(["--config_file", "conf/accelerate/single.yaml"], run, common, port=29612)
+    _assert_resumed(proc.stdout + proc.stderr, _log_rows(run)[len(logged):], ckpt, last_step=8)
     _assert_same(_weights(run), _weights(ref), atol=1e-6)
+
+
+def _log_rows(out_dir: Path) -> list[dict]:
+    path = out_dir / "train_log.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _assert_resumed(console: str, rows: list[dict], ckpt: Path, last_step: int) -> None:
+    """A relaunch resumed from ``ckpt``: it said so, and its ``train_log.jsonl`` rows (``rows``)
+    count on from the checkpoint's step to ``last_step`` without a fresh start."""
+    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    assert re.search(rf"resumed from \S*{ckpt.name} \(step {step},", console), (
+        f"the relaunch did not log 'resumed from .../{ckpt.name} (step {step}, ...)'")
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == list(range(step + 1, last_step + 1)), (
+        f"the relaunch trained steps {steps}, not {step + 1}..{last_step} after the checkpoint "
+        f"of step {step}")
+    assert not any(r.get("tag") == "init" for r in rows), "the relaunch validated from scratch"
+
+
+@pytest.mark.parametrize("variant", ["resume", "no-op resume", "wrong step"])
+def test_resume_check_catches_a_run_that_did_not_resume(variant, warm_cache, tmp_path,
+                                                        monkeypatch, caplog):
+    """Twin of the SIGKILL test's resume check, in process: the real resume passes it; a resume
+    that does nothing, or one that loads the checkpoint under a wrong step, fails it."""
+    import logging
+
+    from train import checkpoint, distill
+
+    common = TINY + ["draft=medusa", "train.save_every=3", "train.eval_every=5", "seed=3",
+                     f"out_dir={tmp_path}"]
+    _run_inprocess(common + ["train.max_steps=3"])
+    ckpt, logged = checkpoint.latest_checkpoint(tmp_path), _log_rows(tmp_path)
+    if variant == "no-op resume":
+        monkeypatch.setattr(distill.DistillRecipe, "_resume", lambda self: None)
+    elif variant == "wrong step":
+        real = checkpoint.load_trainer_state
+        monkeypatch.setattr(checkpoint, "load_trainer_state",
+                            lambda path: {**real(path), "step": real(path)["step"] - 1})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="draftsmith.distill"):
+        _run_inprocess(common + ["train.max_steps=5"])
+    args = (caplog.text, _log_rows(tmp_path)[len(logged):], ckpt, 5)
+    if variant == "resume":
+        _assert_resumed(*args)
+        return
+    with pytest.raises(AssertionError, match=r"did not log 'resumed from \.\.\./step-000003 "
+                                             r"\(step 3, \.\.\.\)'"):
+        _assert_resumed(*args)
+    # the step counter catches it too, even next to a (forged) right log line
+    forged = f"resumed from {ckpt} (step 3, epoch 0, batch 6)"
+    trained = {"no-op resume": "[1, 2, 3, 4, 5]", "wrong step": "[3, 4, 5]"}[variant]
+    with pytest.raises(AssertionError, match=re.escape(
+            f"the relaunch trained steps {trained}, not 4..5 after the checkpoint of step 3")):
+        _assert_resumed(forged, *args[1:])
 
 
 @pytest.mark.slow

@@ -1,0 +1,212 @@
+"""Signed packages (heads/signing.py): who made a package is checked before it is trusted."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_target
+
+from heads.family import WEIGHTS
+from heads.medusa import MedusaConfig, build_medusa
+from heads.package import (
+    MANIFEST,
+    SIGNATURE,
+    PackageIntegrityError,
+    PackageSignatureError,
+    load_package,
+    save_package,
+    sha256_file,
+    update_package_json,
+)
+from heads.signing import (
+    RELEASE_KEYS,
+    _load_public,
+    fingerprint,
+    local_signing_key,
+    public_key_of,
+    sign_folder,
+    signing_key_path,
+    verify_folder_signature,
+)
+
+
+def _package(tmp_path: Path, name: str = "pkg") -> tuple[Path, object]:
+    target = make_tiny_target()
+    cfg = MedusaConfig(num_heads=2, num_layers=1)
+    return save_package(tmp_path / name, "medusa", build_medusa(cfg, target.model), cfg,
+                        target.identity), target
+
+
+def _fp(pub: Path) -> str:
+    return fingerprint(_load_public(pub))
+
+
+def _local_fp() -> str:
+    return _fp(public_key_of())
+
+
+def _other_key(tmp_path: Path) -> Path:
+    """A second signer's private key (someone else's machine)."""
+    return local_signing_key(tmp_path / "other" / "key.pem")
+
+
+def test_a_fresh_key_is_private_logged_and_has_a_public_key(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DRAFTSMITH_SIGNING_KEY", str(tmp_path / "cfg" / "signing-key.pem"))
+    with caplog.at_level(logging.WARNING, logger="heads.signing"):
+        key = local_signing_key()
+    assert key == signing_key_path() == tmp_path / "cfg" / "signing-key.pem"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    pub = public_key_of()
+    assert pub == tmp_path / "cfg" / "signing-key.pub" and b"PUBLIC KEY" in pub.read_bytes()
+    fp = _fp(pub)
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert str(key) in caplog.text and fp in caplog.text
+    assert local_signing_key() == key and _fp(public_key_of()) == fp  # made once, then reused
+    monkeypatch.delenv("DRAFTSMITH_SIGNING_KEY")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert signing_key_path() == tmp_path / "xdg" / "draftsmith" / "signing-key.pem"
+
+
+def test_a_saved_package_is_signed_by_the_local_key_and_loads(tmp_path):
+    out, target = _package(tmp_path)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["signer"]["fingerprint"] == _local_fp()
+    assert SIGNATURE not in manifest["files"]
+    assert load_package(out, target=target).info["signer"] == _local_fp()
+
+
+def test_the_signature_is_plain_model_signing(tmp_path):
+    """Anyone can check it with model-signing itself (hashing config guessed from the bundle)."""
+    from model_signing import verifying
+
+    out, _ = _package(tmp_path)
+    verifying.Config().use_elliptic_key_verifier(public_key=public_key_of()).verify(
+        out, out / SIGNATURE)
+
+
+def test_a_manifest_rewritten_to_match_tampered_weights_is_refused(tmp_path):
+    out, target = _package(tmp_path)
+    data = bytearray((out / WEIGHTS).read_bytes())
+    data[len(data) // 2] ^= 1
+    (out / WEIGHTS).write_bytes(bytes(data))
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"][WEIGHTS] = {"sha256": sha256_file(out / WEIGHTS), "size": len(data)}
+    (out / MANIFEST).write_text(json.dumps(manifest))  # the manifest alone now "verifies"
+    with pytest.raises(PackageSignatureError) as err:
+        load_package(out, target=target)
+    assert (f"its signature by key {_local_fp()} does not match its files: manifest.json, "
+            "model.safetensors changed after it was signed") in str(err.value)
+    assert isinstance(err.value, PackageIntegrityError)  # callers catching integrity errors
+
+
+def test_an_unsigned_package_is_refused_unless_allowed(tmp_path, monkeypatch, caplog):
+    out, target = _package(tmp_path)
+    (out / SIGNATURE).unlink()
+    with pytest.raises(PackageSignatureError) as err:
+        load_package(out, target=target)
+    msg = str(err.value)
+    assert "it is not signed (no model.sig), so who made it is unknown" in msg
+    assert "python -m heads.signing sign DIR" in msg and "allow_unsigned=True" in msg
+    with caplog.at_level(logging.WARNING, logger="heads.package"):
+        pkg = load_package(out, target=target, allow_unsigned=True)
+    assert "LOADING AN UNSIGNED OR UNTRUSTED DRAFT PACKAGE" in caplog.text
+    assert pkg.info["signer"] is None
+    monkeypatch.setenv("DRAFTSMITH_ALLOW_UNSIGNED", "1")
+    assert load_package(out, target=target).info["signer"] is None
+    (out / "notes.txt").write_text("x")  # the manifest is still checked when unsigned is allowed
+    with pytest.raises(PackageIntegrityError, match=r"'notes\.txt' is not listed"):
+        load_package(out, target=target, allow_unsigned=True)
+
+
+def test_a_package_signed_by_another_key_is_refused_naming_both(tmp_path):
+    out, target = _package(tmp_path)
+    other = _other_key(tmp_path)
+    other_fp = sign_folder(out, private_key=other)
+    assert other_fp == _fp(public_key_of(other)) != _local_fp()
+    with pytest.raises(PackageSignatureError) as err:
+        load_package(out, target=target)
+    msg = str(err.value)
+    assert f"it is signed by {other_fp}, which is not trusted (trusted keys: {_local_fp()} " \
+           "(the local signing key)" in msg
+    assert "DRAFTSMITH_TRUSTED_KEYS" in msg
+    assert load_package(out, target=target, allow_unsigned=True).info["signer"] is None
+
+
+def test_trusted_keys_from_the_environment_and_the_argument(tmp_path, monkeypatch):
+    out, target = _package(tmp_path)
+    other = _other_key(tmp_path)
+    other_fp = sign_folder(out, private_key=other)
+    pub = public_key_of(other)
+    assert load_package(out, target=target, trusted_keys=[pub]).info["signer"] == other_fp
+    monkeypatch.setenv("DRAFTSMITH_TRUSTED_KEYS", os.pathsep.join([str(tmp_path / "none-here"),
+                                                                   str(pub)]))
+    with pytest.raises(ValueError, match="none-here .*does not exist"):
+        load_package(out, target=target)
+    monkeypatch.setenv("DRAFTSMITH_TRUSTED_KEYS", str(pub.parent))  # a folder of .pub files
+    assert load_package(out, target=target).info["signer"] == other_fp
+    assert verify_folder_signature(out) == other_fp
+
+
+def test_update_package_json_re_signs(tmp_path):
+    out, target = _package(tmp_path)
+    other = _other_key(tmp_path)
+    sign_folder(out, private_key=other)
+    pub = public_key_of(other)
+    update_package_json(out, "speculation", {"k_star": 3}, trusted_keys=[pub])
+    pkg = load_package(out, target=target)  # re-signed by the local key: trusted by default
+    assert pkg.info["signer"] == _local_fp() and pkg.speculation == {"k_star": 3}
+    assert "speculation.json" in json.loads((out / MANIFEST).read_text())["files"]
+
+
+def test_update_package_json_refuses_an_untrusted_or_rewritten_package(tmp_path):
+    out, _ = _package(tmp_path)
+    sign_folder(out, private_key=_other_key(tmp_path))
+    with pytest.raises(PackageSignatureError, match="which is not trusted"):
+        update_package_json(out, "speculation", {"k_star": 3})
+    assert not (out / "speculation.json").exists()
+    (out / SIGNATURE).unlink()
+    update_package_json(out, "speculation", {"k_star": 3}, allow_unsigned=True)
+    assert not (out / SIGNATURE).exists()  # an unverified package is not vouched for
+
+
+def test_an_export_is_signed_and_verified(tmp_path):
+    from heads.exports import import_export
+    from scripts.export import export_package
+
+    out, target = _package(tmp_path)
+    exp = export_package(out, "medusa", tmp_path / "medusa")
+    assert import_export(exp, target=target).info["signer"] == _local_fp()
+    weights = exp / "medusa_lm_head.safetensors"
+    state = bytearray(weights.read_bytes())
+    state[-1] ^= 1
+    weights.write_bytes(bytes(state))
+    manifest = json.loads((exp / MANIFEST).read_text())
+    manifest["files"][weights.name]["sha256"] = sha256_file(weights)
+    (exp / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(PackageSignatureError, match="does not match its files"):
+        import_export(exp, target=target)
+
+
+def test_release_keys_are_trusted_by_default():
+    keys = sorted(RELEASE_KEYS.glob("*.pub"))
+    assert [k.name for k in keys] == ["draftsmith-release.pub"]
+    assert all(b"PRIVATE" not in p.read_bytes() for p in RELEASE_KEYS.parent.rglob("*")
+               if p.is_file() and p.suffix in (".pub", ".pem", ".key"))  # public keys only
+    from heads.signing import trusted_public_keys
+
+    assert _fp(keys[0]) in trusted_public_keys()
+
+
+def test_a_corrupt_signature_is_refused(tmp_path):
+    out, target = _package(tmp_path)
+    (out / SIGNATURE).write_text("{}")
+    with pytest.raises(PackageSignatureError, match="model.sig is not a model-signing signature"):
+        load_package(out, target=target)
+    sig = {"verificationMaterial": {"publicKey": {"hint": "0" * 64}}}
+    (out / SIGNATURE).write_text(json.dumps(sig))
+    with pytest.raises(PackageSignatureError, match="signed by an unknown key"):
+        load_package(out, target=target)
