@@ -212,7 +212,7 @@ def _log_rows(out_dir: Path) -> list[dict]:
 def _assert_resumed(console: str, rows: list[dict], ckpt: Path, last_step: int) -> None:
     """A relaunch resumed from ``ckpt``: it said so, and its ``train_log.jsonl`` rows (``rows``)
     count on from the checkpoint's step to ``last_step`` without a fresh start."""
-    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    step = int(ckpt.name.removeprefix("step-"))  # the folder's own step: later saves rotate it
     assert re.search(rf"resumed from \S*{ckpt.name} \(step {step},", console), (
         f"the relaunch did not log 'resumed from .../{ckpt.name} (step {step}, ...)'")
     steps = [r["step"] for r in rows if "loss" in r]
