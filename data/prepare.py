@@ -17,7 +17,7 @@ DEFAULTS: dict[str, Any] = {
     "path": None, "num_conversations": None, "max_length": 1024,
     "split": {"val": 0.02, "test": 0.02},
     "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
-                   "batch_size": 8, "max_prompt_tokens": 1024},
+                   "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None},
     "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256},
 }
 
@@ -81,6 +81,9 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     c = resolve_data_config(cfg_data)
     all_layers = sorted({int(i) for i in list(c["cache"]["layers"]) + list(layers or [])})
     key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    if key_src["regenerate"].get("max_replies") is None:  # caches made before the option keep
+        key_src["regenerate"] = {k: v for k, v in key_src["regenerate"].items()  # their keys
+                                 if k != "max_replies"}
     # the target's parameter dtype is part of the key: a bf16 target's hidden states (and greedy
     # regenerated replies) are not the fp32 target's, although its identity is the same
     target_dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
@@ -112,7 +115,8 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
             part = regenerate_conversations(
                 part, target, root / f"regenerated-{split}.jsonl",
                 temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
-                batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"])
+                batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
+                max_replies=regen["max_replies"])
         ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
         if len(ds) == 0:
             raise ValueError(f"no {split} conversation has assistant tokens after tokenization")

@@ -39,6 +39,16 @@ def _load_done(path: Path) -> dict[str, Conversation]:
     return done
 
 
+def _first_prompt_chars(messages: Sequence[dict[str, str]]) -> int:
+    """Characters before the first assistant turn (a cheap proxy for the first prompt's length)."""
+    n = 0
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        n += len(m["content"])
+    return n
+
+
 @torch.no_grad()
 def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature: float,
               max_new_tokens: int) -> list[str]:
@@ -62,9 +72,10 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature:
 
 def _regenerate_batch(model: Any, tokenizer: Any, convs: Sequence[Conversation],
                       temperature: float, max_new_tokens: int,
-                      max_prompt_tokens: int) -> list[Conversation]:
+                      max_prompt_tokens: int, max_replies: int | None) -> list[Conversation]:
     new: list[list[dict[str, str]]] = [[] for _ in convs]
     active = [True] * len(convs)
+    replies = [0] * len(convs)
     for i in range(max(len(c.messages) for c in convs)):
         todo, prompts = [], []
         for b, c in enumerate(convs):
@@ -87,13 +98,17 @@ def _regenerate_batch(model: Any, tokenizer: Any, convs: Sequence[Conversation],
             for b, reply in zip(todo, _generate(model, tokenizer, prompts, temperature,
                                                 max_new_tokens)):
                 new[b].append({"role": "assistant", "content": reply})
+                replies[b] += 1
+                if max_replies is not None and replies[b] >= max_replies:
+                    active[b] = False  # enough replies: the conversation ends here
     return [Conversation(id=c.id, messages=m) for c, m in zip(convs, new)]
 
 
 def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
                              out_path: str | Path, temperature: float = 0.0,
                              max_new_tokens: int = 256, batch_size: int = 8,
-                             max_prompt_tokens: int = 1024, seed: int = 0,
+                             max_prompt_tokens: int = 1024,
+                             max_replies: int | None = None, seed: int = 0,
                              progress: bool = True,
                              on_batch: Callable[[int], None] | None = None
                              ) -> list[Conversation]:
@@ -107,6 +122,9 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
         max_new_tokens: Longest regenerated reply, in tokens.
         batch_size: Conversations generated together (left-padded).
         max_prompt_tokens: Stop regenerating a conversation once its prompt is longer.
+        max_replies: Regenerate at most this many assistant turns per conversation (the
+            conversation ends after the last one; None = all). One reply per conversation
+            keeps every row of a batch busy; later turns run in ever smaller sub-batches.
         seed: Sampling seed (combined with the batch's first id, so a resumed run is reproducible).
         progress: Show a tqdm bar.
         on_batch: Called with the number of finished conversations after each batch.
@@ -117,6 +135,8 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
     if temperature < 0 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError("need temperature >= 0, max_new_tokens >= 1 and batch_size >= 1; got "
                          f"{temperature}, {max_new_tokens}, {batch_size}")
+    if max_replies is not None and max_replies < 1:
+        raise ValueError(f"max_replies must be >= 1 or null (all turns); got {max_replies}")
     if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
         raise ValueError("regeneration needs the target's tokenizer with a chat template")
     ids = [c.id for c in conversations]
@@ -125,7 +145,10 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _load_done(path)
-    todo = [c for c in conversations if c.id not in done]
+    # length buckets: conversations with similar first prompts share a batch (less padding);
+    # the order depends on the inputs only, so a resumed run forms the same remaining batches
+    todo = [c for c in sorted(conversations, key=lambda c: _first_prompt_chars(c.messages))
+            if c.id not in done]
     model = target.model.eval()
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo),
                desc="regenerate", unit="conv", disable=not progress)
@@ -135,7 +158,7 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
             digest = hashlib.sha256(f"{seed}:{batch[0].id}".encode()).digest()
             torch.manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
             for c in _regenerate_batch(model, target.tokenizer, batch, temperature,
-                                       max_new_tokens, max_prompt_tokens):
+                                       max_new_tokens, max_prompt_tokens, max_replies):
                 f.write(json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False)
                         + "\n")
                 done[c.id] = c

@@ -146,29 +146,33 @@ def decode_grid(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dic
                 cfg: DictConfig, eos: Any, runs: list[tuple[dict, dict, int]]
                 ) -> tuple[list[dict], list[float], list[tuple[Any, Any]]]:
     """Decode ``records`` once per run ``(row, overrides, k)`` (``cfg`` merged with
-    ``overrides``, fixed ``k``, no adaptation or fallback), between plain decoding before and
-    after: their mean is the baseline, their difference the machine's drift meanwhile.
+    ``overrides``, fixed ``k``, no adaptation or fallback), interleaved per prompt with plain
+    decoding before and after it (:func:`eval.session.paired_many`): a run's speedup is the
+    median over prompts of its tokens/s over the mean of the prompt's two plain runs.
 
     Returns:
-        The rows with ``tokens_per_s``, ``tau``, ``acceptance_rate`` and ``speedup`` added,
-        ``[before, after]`` plain tokens/s, and each run's ``(DecodeStats, proposer)``.
+        The rows with ``tokens_per_s``, ``tau``, ``acceptance_rate``, ``speedup`` (and its
+        spread) and ``noisy`` added, ``[first, second]`` plain tokens/s over all prompts, and each
+        run's ``(DecodeStats, proposer)``.
     """
     sampling = session.Sampling.from_config(cfg)
-    plain = session.plain_decoder(model, records)
-    before = session.decode_set(plain, records, sampling, eos)[1].tokens_per_s
-    grid, runs_out = [], []
-    for row, overrides, k in runs:
-        proposer = proposer_for(cfg, overrides, loaded, pkg)
-        dec = session.decoder(model, proposer, records, k=k, adaptive=False, fallback=False)
-        st = session.decode_set(dec, records, sampling, eos)[1]
-        grid.append({**row, "tokens_per_s": st.tokens_per_s, "tau": st.tau,
-                     "acceptance_rate": st.acceptance_rate})
-        runs_out.append((st, proposer))
-    after = session.decode_set(plain, records, sampling, eos)[1].tokens_per_s
-    base = (before + after) / 2
-    for g in grid:
-        g["speedup"] = g["tokens_per_s"] / base if base else None
-    return grid, [before, after], runs_out
+    proposers = [proposer_for(cfg, overrides, loaded, pkg) for _, overrides, _ in runs]
+    decs = [session.decoder(model, p, records, k=k, adaptive=False, fallback=False)
+            for p, (_, _, k) in zip(proposers, runs)]
+    results = session.paired_many(decs, model, records, sampling, eos,
+                                  float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE)))
+    grid = [{**row, "tokens_per_s": r.stats.tokens_per_s, "tau": r.stats.tau,
+             "acceptance_rate": r.stats.acceptance_rate, "speedup": r.speedup,
+             "speedup_spread": r.speedup_spread, "noisy": r.noisy}
+            for (row, _, _), r in zip(runs, results)]
+    before_after = [_plain_tps(results[0].samples, j) for j in (0, 1)] if results else []
+    return grid, before_after, [(r.stats, p) for r, p in zip(results, proposers)]
+
+
+def _plain_tps(samples: list[dict], which: int) -> float:
+    """Plain tokens/s over every prompt's first (0) or second (1) plain run."""
+    wall = sum(s["plain_wall_time_s"][which] for s in samples)
+    return sum(s["plain_tokens"][which] for s in samples) / wall if wall > 0 else 0.0
 
 
 def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[dict],

@@ -147,6 +147,12 @@ def plot_tau_per_category(table: Mapping[str, Mapping[str, float]], path: Path) 
     return _save(fig, path)
 
 
+def _last_per_step(points: Sequence[tuple[int, object]]) -> list[tuple[int, object]]:
+    """Points in step order, the last record of each step only: a resumed run logs the steps
+    after its checkpoint again, and drawing both would send the line back in time."""
+    return sorted(dict(points).items())
+
+
 def plot_training_curves(logs: Mapping[str, Sequence[Mapping]], path: Path) -> Path | None:
     """Loss against step (left) and validation alpha_hat per position against step (right).
 
@@ -162,10 +168,12 @@ def plot_training_curves(logs: Mapping[str, Sequence[Mapping]], path: Path) -> P
     styles = ["-", "--", ":", "-."]
     drew_alpha = False
     for i, (label, recs) in enumerate(logs.items()):
-        loss = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None and "step" in r]
+        loss = _last_per_step([(r["step"], r["loss"]) for r in recs
+                               if r.get("loss") is not None and "step" in r])
         if loss:
             ax_l.plot(*zip(*loss), color=f"C{i % 10}", label=label)
-        val = [(r["step"], r["alpha_hat"]) for r in recs if r.get("alpha_hat") and "step" in r]
+        val = _last_per_step([(r["step"], r["alpha_hat"]) for r in recs
+                              if r.get("alpha_hat") and "step" in r])
         n_pos = max((len(a) for _, a in val), default=0)
         for p in range(n_pos):
             pts = [(s, a[p]) for s, a in val if p < len(a)]

@@ -214,30 +214,54 @@ def paired(dec: SpeculativeDecoder, model: torch.nn.Module | None, records: Sequ
     Raises:
         ValueError: ``noise_tolerance`` is negative.
     """
+    if not baseline:
+        _check_tolerance(noise_tolerance)
+        samples, stats = decode_set(dec, records, sampling, eos)
+        return Paired(samples, stats, None, None, noise_tolerance=float(noise_tolerance))
+    return paired_many([dec], model, records, sampling, eos, noise_tolerance, plain)[0]
+
+
+def _check_tolerance(noise_tolerance: float) -> None:
     if not float(noise_tolerance) >= 0:
         raise ValueError(f"noise_tolerance must be >= 0 (a fraction of the plain tokens/s), "
                          f"got {noise_tolerance}")
-    if not baseline:
-        samples, stats = decode_set(dec, records, sampling, eos)
-        return Paired(samples, stats, None, None, noise_tolerance=float(noise_tolerance))
+
+
+def paired_many(decs: Sequence[SpeculativeDecoder], model: torch.nn.Module | None,
+                records: Sequence[dict], sampling: Sampling, eos: Any,
+                noise_tolerance: float = NOISE_TOLERANCE,
+                plain: SpeculativeDecoder | None = None) -> list[Paired]:
+    """:func:`paired` for several decoders at once (a grid of K or tree shapes): per prompt,
+    plain decoding, every decoder in turn, plain decoding again; each decoder's ratio for the
+    prompt is over the mean of that prompt's two plain runs. One :class:`Paired` per decoder,
+    sharing the plain runs."""
+    _check_tolerance(noise_tolerance)
     if plain is None:
         plain = plain_decoder(model, records)
-    samples, spec_parts, plain_parts, ratios, drift, same = [], [], [], [], [], []
+    n = len(decs)
+    samples: list[list[dict]] = [[] for _ in range(n)]
+    parts: list[list[DecodeStats]] = [[] for _ in range(n)]
+    ratios: list[list[float]] = [[] for _ in range(n)]
+    same: list[list[bool]] = [[] for _ in range(n)]
+    plain_parts, drift = [], []
     for i, rec in enumerate(records):
         before, a = decode_one(plain, rec, i, sampling, eos)
-        sample, st = decode_one(dec, rec, i, sampling, eos)
+        runs = [decode_one(dec, rec, i, sampling, eos) for dec in decs]
         _, b = decode_one(plain, rec, i, sampling, eos)
         base = (_tps(a) + _tps(b)) / 2
-        ratio = _tps(st) / base if base > 0 else None
         drift.append(abs(_tps(a) - _tps(b)) / base if base > 0 else 0.0)
-        if ratio is not None:
-            ratios.append(ratio)
-        same.append(sample["output_ids"] == before["output_ids"])
-        samples.append({**sample, "plain_wall_time_s": [a.wall_time_s, b.wall_time_s],
-                        "speedup": ratio})
-        spec_parts.append(st)
         plain_parts += [a, b]
-    matches = sum(same) / len(same) if sampling.temperature == 0.0 and same else None
-    return Paired(samples, DecodeStats.merge(spec_parts),
-                  DecodeStats.merge(plain_parts).tokens_per_s, matches, ratios, drift,
-                  float(noise_tolerance))
+        for j, (sample, st) in enumerate(runs):
+            ratio = _tps(st) / base if base > 0 else None
+            if ratio is not None:
+                ratios[j].append(ratio)
+            same[j].append(sample["output_ids"] == before["output_ids"])
+            samples[j].append({**sample, "plain_wall_time_s": [a.wall_time_s, b.wall_time_s],
+                               "plain_tokens": [a.tokens_generated, b.tokens_generated],
+                               "speedup": ratio})
+            parts[j].append(st)
+    plain_tps = DecodeStats.merge(plain_parts).tokens_per_s
+    greedy = sampling.temperature == 0.0 and bool(records)
+    return [Paired(samples[j], DecodeStats.merge(parts[j]), plain_tps,
+                   sum(same[j]) / len(same[j]) if greedy else None, ratios[j], drift,
+                   float(noise_tolerance)) for j in range(n)]

@@ -19,6 +19,15 @@ released packages' key), the PEM files or folders of ``$DRAFTSMITH_TRUSTED_KEYS`
 (``os.pathsep``-separated) and a ``trusted_keys=`` argument. ``allow_unsigned=True`` (or
 ``DRAFTSMITH_ALLOW_UNSIGNED=1``) loads an unsigned or untrusted folder with a loud warning.
 
+A certificate identity: where the user holds an X.509 signing certificate for their key (an
+organisation's PKI), ``$DRAFTSMITH_SIGNING_CERT`` names it (PEM) and
+``$DRAFTSMITH_SIGNING_CERT_CHAIN`` its issuers (PEM files, ``os.pathsep``-separated); folders are
+then signed with model-signing's certificate signer, and the signer is named by the
+certificate's subject. A PEM CA certificate among the trusted keys is a trusted root: a folder
+signed by any certificate it issued verifies. (Sigstore's keyless identities need its online
+services and are not wired here: ``model_signing sign sigstore`` signs such a folder and
+``model_signing verify sigstore`` checks it.)
+
 Command line::
 
     python -m heads.signing key            # the local public key's path and fingerprint
@@ -31,6 +40,7 @@ The other side verifies a signature with model-signing itself::
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -41,6 +51,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -56,6 +67,8 @@ from heads.manifest import (
 log = logging.getLogger(__name__)
 
 KEY_ENV = "DRAFTSMITH_SIGNING_KEY"
+CERT_ENV = "DRAFTSMITH_SIGNING_CERT"
+CERT_CHAIN_ENV = "DRAFTSMITH_SIGNING_CERT_CHAIN"
 TRUSTED_ENV = "DRAFTSMITH_TRUSTED_KEYS"
 ALLOW_UNSIGNED_ENV = "DRAFTSMITH_ALLOW_UNSIGNED"
 RELEASE_KEYS = Path(__file__).resolve().parents[1] / "releases" / "keys"
@@ -165,13 +178,38 @@ def _load_public(path: Path) -> ec.EllipticCurvePublicKey:
     return key
 
 
+def _is_certificate(path: Path) -> bool:
+    return b"-----BEGIN CERTIFICATE-----" in path.read_bytes()
+
+
 def _key_files(entry: Path, where: str) -> list[Path]:
-    if entry.is_dir():  # its PEM public keys (a private key beside them is skipped)
-        return sorted(p for p in entry.iterdir() if p.suffix in KEY_SUFFIXES and p.is_file()
-                      and b"-----BEGIN PUBLIC KEY-----" in p.read_bytes())
+    if entry.is_dir():  # its PEM public keys and certificates (private keys are skipped)
+        return sorted(p for p in entry.iterdir() if p.suffix in KEY_SUFFIXES + (".crt",)
+                      and p.is_file() and (b"-----BEGIN PUBLIC KEY-----" in p.read_bytes()
+                                           or _is_certificate(p)))
     if entry.is_file():
         return [entry]
     raise ValueError(f"trusted key {entry} ({where}) does not exist; fix or remove the entry")
+
+
+def _trusted_entries(trusted_keys: Iterable[str | Path] | str | Path | None
+                     ) -> list[tuple[Path, str]]:
+    """Every trusted PEM file (public key or CA certificate) and where it is trusted from."""
+    entries: list[tuple[Path, str]] = []
+    if RELEASE_KEYS.is_dir():
+        entries.append((RELEASE_KEYS, "releases/keys"))
+    entries += [(Path(p).expanduser(), TRUSTED_ENV)
+                for p in os.environ.get(TRUSTED_ENV, "").split(os.pathsep) if p]
+    if isinstance(trusted_keys, (str, Path)):
+        trusted_keys = [trusted_keys]
+    entries += [(Path(p).expanduser(), "trusted_keys=") for p in trusted_keys or ()]
+    return [(f, f"{where}: {f}") for entry, where in entries for f in _key_files(entry, where)]
+
+
+def trusted_roots(trusted_keys: Iterable[str | Path] | str | Path | None = None
+                  ) -> list[tuple[Path, str]]:
+    """The trusted CA certificates (PEM certificates among the trusted keys)."""
+    return [(f, where) for f, where in _trusted_entries(trusted_keys) if _is_certificate(f)]
 
 
 def trusted_public_keys(trusted_keys: Iterable[str | Path] | str | Path | None = None
@@ -181,17 +219,9 @@ def trusted_public_keys(trusted_keys: Iterable[str | Path] | str | Path | None =
     if signing_key_path().is_file():
         out[fingerprint(_load_public(public_key_of(signing_key_path())))] = (
             public_key_of(signing_key_path()), "the local signing key")
-    entries: list[tuple[Path, str]] = []
-    if RELEASE_KEYS.is_dir():
-        entries.append((RELEASE_KEYS, "releases/keys"))
-    entries += [(Path(p).expanduser(), TRUSTED_ENV)
-                for p in os.environ.get(TRUSTED_ENV, "").split(os.pathsep) if p]
-    if isinstance(trusted_keys, (str, Path)):
-        trusted_keys = [trusted_keys]
-    entries += [(Path(p).expanduser(), "trusted_keys=") for p in trusted_keys or ()]
-    for entry, where in entries:
-        for f in _key_files(entry, where):
-            out.setdefault(fingerprint(_load_public(f)), (f, f"{where}: {f}"))
+    for f, where in _trusted_entries(trusted_keys):
+        if not _is_certificate(f):
+            out.setdefault(fingerprint(_load_public(f)), (f, where))
     return out
 
 
@@ -209,29 +239,64 @@ def _hashing() -> Any:
             .use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False))
 
 
+def signing_certificate() -> tuple[Path, list[Path]] | None:
+    """The signing certificate and its issuers' certificates named by ``$DRAFTSMITH_SIGNING_CERT``
+    and ``$DRAFTSMITH_SIGNING_CERT_CHAIN``, or None (sign with the bare key)."""
+    cert = os.environ.get(CERT_ENV, "").strip()
+    if not cert:
+        return None
+    chain = [Path(p).expanduser() for p in os.environ.get(CERT_CHAIN_ENV, "").split(os.pathsep)
+             if p]
+    for p in [Path(cert).expanduser(), *chain]:
+        if not p.is_file():
+            raise ValueError(f"{CERT_ENV} / {CERT_CHAIN_ENV} name {p}, which does not exist: fix "
+                             f"the path, or unset {CERT_ENV} to sign with the key alone")
+    return Path(cert).expanduser(), chain
+
+
+def _identity(cert: x509.Certificate) -> str:
+    return (f"{cert.subject.rfc4514_string()} (certificate issued by "
+            f"{cert.issuer.rfc4514_string()})")
+
+
 def sign_folder(root: str | Path, private_key: str | Path | None = None) -> str:
     """Sign the package or export folder ``root`` (after its manifest is written).
 
-    Records the signer (fingerprint and PEM public key) in ``manifest.json``, then writes
-    ``model.sig`` over every file but itself. Returns the signer's fingerprint.
+    Records the signer (fingerprint and PEM public key, and the certificate's subject when one
+    is configured) in ``manifest.json``, then writes ``model.sig`` over every file but itself.
+    Returns the signer: the key's fingerprint, or the certificate identity.
     """
     from model_signing import signing
 
     root = Path(root).resolve()
     key_path = local_signing_key(private_key)
     public = _load_private(key_path).public_key()
-    manifest = read_manifest(root)
     fp = fingerprint(public)
-    manifest["signer"] = {"fingerprint": fp, "public_key": _pem(public).decode()}
+    signer: dict[str, Any] = {"fingerprint": fp, "public_key": _pem(public).decode()}
+    config, who = signing.Config(), fp
+    cert = signing_certificate()
+    if cert is None:
+        config.use_elliptic_key_signer(private_key=key_path)
+    else:
+        leaf = x509.load_pem_x509_certificate(cert[0].read_bytes())
+        if _pem(leaf.public_key()) != _pem(public):
+            raise ValueError(f"the signing certificate {cert[0]} ({CERT_ENV}) certifies another "
+                             f"key than the signing key {key_path} ({KEY_ENV}, fingerprint {fp}):"
+                             f" point {KEY_ENV} at the certificate's private key")
+        who = _identity(leaf)
+        signer["certificate"] = who
+        config.use_certificate_signer(private_key=key_path, signing_certificate=cert[0],
+                                      certificate_chain=cert[1] or [cert[0]])  # none: itself
+    manifest = read_manifest(root)
+    manifest["signer"] = signer
     write_json_atomic(root / MANIFEST, manifest)
     tmp = root / f".{SIGNATURE}.tmp-{os.getpid()}"  # hashed before it exists
     try:
-        signing.Config().use_elliptic_key_signer(private_key=key_path).set_hashing_config(
-            _hashing()).sign(root, tmp)
+        config.set_hashing_config(_hashing()).sign(root, tmp)
         os.replace(tmp, root / SIGNATURE)
     finally:
         tmp.unlink(missing_ok=True)
-    return fp
+    return who
 
 
 def _claimed_signer(root: Path, hint: str) -> str:
@@ -277,10 +342,17 @@ def verify_folder_signature(root: str | Path,
             "re-save or re-export it with this draftsmith (which signs what it writes), or, if "
             "you made it and it is intact, sign it: python -m heads.signing sign DIR")
     try:
-        hint = json.loads(sig.read_text())["verificationMaterial"]["publicKey"]["hint"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        material = json.loads(sig.read_text())["verificationMaterial"]
+        if "x509CertificateChain" in material:
+            raw = material["x509CertificateChain"]["certificates"][0]["rawBytes"]
+            leaf = x509.load_der_x509_certificate(base64.b64decode(raw))
+        else:
+            hint = material["publicKey"]["hint"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise PackageSignatureError(root, f"{SIGNATURE} is not a model-signing signature ({e})",
                                     "re-download or re-export the package") from e
+    if "x509CertificateChain" in material:
+        return _verify_certificate(root, _identity(leaf), trusted_keys)
     trusted = trusted_public_keys(trusted_keys)
     match = [(fp, f) for fp, (f, _) in trusted.items() if _pem_hint(_load_public(f)) == hint]
     if not match:
@@ -300,6 +372,31 @@ def verify_folder_signature(root: str | Path,
     return fp
 
 
+def _verify_certificate(root: Path, who: str,
+                        trusted_keys: Iterable[str | Path] | str | Path | None) -> str:
+    """Check a certificate-signed folder against every trusted CA; returns the identity."""
+    from model_signing import verifying
+
+    roots = trusted_roots(trusted_keys)
+    for ca, _ in roots:
+        try:
+            verifying.Config().use_certificate_verifier(certificate_chain=[ca]).set_hashing_config(
+                _hashing()).verify(root, root / SIGNATURE)
+            return who
+        except ValueError as e:
+            if "mismatch" in str(e):
+                raise PackageSignatureError(
+                    root, f"its signature by {who} does not match its files: "
+                          f"{_mismatch(str(e))} changed after it was signed",
+                    "re-download the package or re-export it from a trusted copy") from e
+        except Exception as e:  # noqa: BLE001 - OpenSSL's chain errors: not issued by this CA
+            log.debug("%s is not issued by %s: %s", root, ca, e)
+    listed = ", ".join(where for _, where in roots) or "none"
+    raise PackageSignatureError(
+        root, f"it is signed by {who}, which no trusted CA certificate issued (trusted CAs: "
+              f"{listed})", _TRUSTED_FIX + " (a CA's PEM certificate trusts what it issued)")
+
+
 # ----------------------------------------------------------------------------- command line
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -309,9 +406,9 @@ def main(argv: list[str]) -> None:
     elif len(argv) == 2 and argv[0] in ("sign", "verify"):
         if argv[0] == "sign":
             verify_manifest(Path(argv[1]))  # never sign files that do not match the manifest
-            print(f"signed {argv[1]} with key {sign_folder(argv[1])}")
+            print(f"signed {argv[1]} as {sign_folder(argv[1])}")
         else:
-            print(f"{argv[1]} is signed by trusted key {verify_folder_signature(argv[1])}")
+            print(f"{argv[1]} is signed by trusted {verify_folder_signature(argv[1])}")
     else:
         sys.exit("usage: python -m heads.signing key | sign DIR | verify DIR")
 

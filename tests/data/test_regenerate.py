@@ -107,3 +107,30 @@ def test_bad_arguments(tmp_path, target):
         regenerate_conversations(convs(1), target, tmp_path / "r.jsonl", temperature=-1)
     with pytest.raises(ValueError, match="unique"):
         regenerate_conversations(convs(1) * 2, target, tmp_path / "r.jsonl")
+
+
+def test_max_replies_ends_the_conversation_after_that_many_replies(tmp_path, target):
+    (c,) = convs(1)  # user, assistant, user, assistant
+    (one,) = regenerate_conversations([c], target, tmp_path / "a.jsonl", max_new_tokens=3,
+                                      max_replies=1, progress=False)
+    assert [m["role"] for m in one.messages] == ["user", "assistant"]
+    (full,) = regenerate_conversations([c], target, tmp_path / "b.jsonl", max_new_tokens=3,
+                                       progress=False)
+    assert [m["role"] for m in full.messages] == ["user", "assistant"] * 2
+    assert full.messages[:2] == one.messages  # the first reply is the same either way
+    with pytest.raises(ValueError, match="max_replies"):
+        regenerate_conversations([c], target, tmp_path / "c.jsonl", max_replies=0)
+
+
+def test_batches_are_length_bucketed_and_resume_in_the_same_order(tmp_path, target):
+    """Conversations are generated in order of their first prompt's length (batches of similar
+    lengths); the results come back in input order."""
+    cs = [Conversation(id=f"L{n}", messages=[{"role": "user", "content": "x" * n},
+                                             {"role": "assistant", "content": "old"}])
+          for n in (9, 1, 5, 3)]
+    path = tmp_path / "r.jsonl"
+    got = regenerate_conversations(cs, target, path, max_new_tokens=2, batch_size=2,
+                                   progress=False)
+    assert [c.id for c in got] == ["L9", "L1", "L5", "L3"]
+    written = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    assert written == ["L1", "L3", "L5", "L9"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eval.cost import Costs, expected_tokens
+from eval.cost import Costs, expected_tokens, parse_costs
 from eval.kstar import choose_kstar, measure_speculation
 from eval.proposers import DraftLMProposer
 from eval.stats import KController
@@ -45,6 +45,18 @@ def test_kstar_matches_brute_force_on_synthetic_costs():
     assert sp == pytest.approx(brute)
     assert k == max(brute, key=brute.get)
     assert sp[0] == pytest.approx(1.0)
+
+
+def test_kstar_is_the_one_a_hand_computed_cost_table_implies():
+    """alpha [0.8, 0.5, 0.5], a plain step 10 ms, a drafted token 1 ms, verifying K drafts
+    10 / 11 / 12 / 20 ms. By hand: E[tokens] = 1, 1.8, 2.2, 2.4; speedup = E * 10 / (K * 1 +
+    t_verify[K]) = 10/10, 18/12, 22/14, 24/23 = 1.000, 1.500, 1.571, 1.043: K* = 2."""
+    k, sp = choose_kstar([0.8, 0.5, 0.5], Costs(10.0, 1.0, {0: 10.0, 1: 11.0, 2: 12.0, 3: 20.0}))
+    assert k == 2
+    assert [round(sp[i], 3) for i in range(4)] == [1.0, 1.5, 1.571, 1.043]
+    # one drafted token dearer (3 ms): 18/14, 22/18, 24/29 = 1.286, 1.222, 0.828 -> K* = 1
+    k, sp = choose_kstar([0.8, 0.5, 0.5], Costs(10.0, 3.0, {0: 10.0, 1: 11.0, 2: 12.0, 3: 20.0}))
+    assert k == 1 and [round(sp[i], 3) for i in range(4)] == [1.0, 1.286, 1.222, 0.828]
 
 
 def test_kstar_useless_draft_picks_plain():
@@ -106,9 +118,12 @@ def test_measure_speculation_record():
                               [[1, 5, 9, 13], [1, 7, 8]], k_max=3, max_new_tokens=9, repeats=3,
                               min_reached=1)
     assert rec["alpha"] == [1.0, 1.0, 1.0]  # the draft is the target itself (greedy)
-    assert rec["k_star"] in range(4)
-    assert set(rec["expected_speedup"]) == {"0", "1", "2", "3"}
     costs = rec["costs"]  # the shape eval/report.py reads
+    # K* and the expected speedups are those the record's own alpha and costs imply
+    k, sp = choose_kstar(rec["alpha"], parse_costs(costs))
+    assert rec["k_star"] == k
+    assert rec["expected_speedup"] == pytest.approx({str(i): v for i, v in sp.items()}, rel=1e-3)
+    assert set(rec["expected_speedup"]) == {"0", "1", "2", "3"}
     assert costs["t_ar"] > 0 and costs["t_draft"] > 0
     assert set(costs["t_verify"]) == {"0", "1", "2", "3"} and costs["t_verify_tree"] == {}
     assert rec["dtype"] == "float32" and "torch" in rec["versions"]
@@ -121,9 +136,10 @@ def test_rarely_reached_positions_do_not_choose_k_star():
     rec = measure_speculation(Target(model), DraftLMProposer(copy.deepcopy(model), 64),
                               [[1, 5, 9, 13]], k_max=3, max_new_tokens=9, repeats=2,
                               min_reached=1000)
-    # no position was reached 1000 times: only position 1 is kept, K* is 0 or 1
+    # no position was reached 1000 times: only position 1 is kept, K* is chosen from it alone
     assert len(rec["alpha"]) == 1 and len(rec["alpha_all"]) == 3
-    assert rec["k_star"] in (0, 1) and set(rec["expected_speedup"]) == {"0", "1"}
+    assert set(rec["expected_speedup"]) == {"0", "1"}
+    assert rec["k_star"] == choose_kstar(rec["alpha"], parse_costs(rec["costs"]))[0]
 
 
 def test_measure_speculation_times_tree_verification():

@@ -312,3 +312,25 @@ def test_decoder_is_warmed_up_on_the_first_record(decode_setup, records, monkeyp
     assert calls == [(records[0]["prompt_ids"], 2)]
     decoder(model, PlainProposer(), (), k=0)
     assert len(calls) == 1  # no records: no warm-up
+
+
+def test_a_grid_of_decoders_is_interleaved_per_prompt_and_survives_a_slowdown():
+    """eval/measure.py's grids: per prompt plain, every decoder, plain; the machine halves its
+    speed halfway through (after 16 of 32 decodes): each decoder keeps its own ratio."""
+    from eval.session import paired_many
+
+    machine = Machine(slow_after=16)
+    decs = [FakeDecoder(machine, 0.01), FakeDecoder(machine, 0.005)]  # 1x and 2x plain's speed
+    plain = FakeDecoder(machine, 0.01)
+    res = paired_many(decs, None, FAKE_RECORDS, FAKE, None, plain=plain)
+    assert [r.speedup for r in res] == pytest.approx([1.0, 2.0])
+    assert plain.calls == 2 * len(FAKE_RECORDS) and all(d.calls == len(FAKE_RECORDS) for d in decs)
+    assert res[0].plain_drift == res[1].plain_drift  # one plain pair per prompt, shared
+    assert res[1].samples[0]["plain_tokens"] == [FAKE.max_new_tokens] * 2
+    # twin: decoding the grid one decoder at a time, every prompt, after one plain pass, on the
+    # same slowing machine, measures the twice-as-fast second decoder at 1x
+    machine = Machine(slow_after=16)
+    base = decode_set(FakeDecoder(machine, 0.01), FAKE_RECORDS, FAKE, None)[1].tokens_per_s
+    first = decode_set(FakeDecoder(machine, 0.01), FAKE_RECORDS, FAKE, None)[1].tokens_per_s
+    second = decode_set(FakeDecoder(machine, 0.005), FAKE_RECORDS, FAKE, None)[1].tokens_per_s
+    assert (first / base, second / base) == pytest.approx((1.0, 1.0))  # 2x measured as 1x

@@ -210,3 +210,93 @@ def test_a_corrupt_signature_is_refused(tmp_path):
     (out / SIGNATURE).write_text(json.dumps(sig))
     with pytest.raises(PackageSignatureError, match="signed by an unknown key"):
         load_package(out, target=target)
+
+
+# ----------------------------------------------------------------------------- certificates
+def _ca(tmp_path: Path, name: str):
+    """A CA key and self-signed certificate (an organisation's PKI), written as ``name``.pem."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    path = tmp_path / f"{name.replace(' ', '-')}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key, cert, path
+
+
+def _leaf(tmp_path: Path, ca, who: str, key_path: Path) -> Path:
+    """A code-signing certificate for the private key at ``key_path``, issued by ``ca``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key, ca_cert, _ = ca
+    now = datetime.datetime.now(datetime.timezone.utc)
+    public = load_pem_private_key(local_signing_key(key_path).read_bytes(), None).public_key()
+    usage = dict.fromkeys(["content_commitment", "key_encipherment", "data_encipherment",
+                           "key_agreement", "key_cert_sign", "crl_sign", "encipher_only",
+                           "decipher_only"], False)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, who)]))
+            .issuer_name(ca_cert.subject).public_key(public)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, **usage), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    path = tmp_path / f"{who}.crt.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def test_a_certificate_identity_signs_and_a_trusted_ca_verifies_it(tmp_path, monkeypatch):
+    ca, other_ca = _ca(tmp_path, "Draft CA"), _ca(tmp_path, "Other CA")
+    key = tmp_path / "alice" / "key.pem"
+    monkeypatch.setenv("DRAFTSMITH_SIGNING_KEY", str(key))
+    monkeypatch.setenv("DRAFTSMITH_SIGNING_CERT", str(_leaf(tmp_path, ca, "alice", key)))
+    pkg, _ = _package(tmp_path)
+    material = json.loads((pkg / SIGNATURE).read_text())["verificationMaterial"]
+    assert "x509CertificateChain" in material  # signed with the certificate, not the bare key
+    assert json.loads((pkg / MANIFEST).read_text())["signer"]["certificate"].startswith("CN=alice")
+    # its own CA is trusted only when listed: the bare local key does not vouch for a certificate
+    with pytest.raises(PackageSignatureError, match="CN=alice .*no trusted CA certificate"):
+        verify_folder_signature(pkg)
+    who = verify_folder_signature(pkg, trusted_keys=[ca[2]])
+    assert who == "CN=alice (certificate issued by CN=Draft CA)"
+    assert load_package(pkg, trusted_keys=[other_ca[2], ca[2]]).info["signer"] == who
+    with pytest.raises(PackageSignatureError, match="no trusted CA certificate issued"):
+        load_package(pkg, trusted_keys=[other_ca[2]])  # a CA that did not issue it
+    monkeypatch.setenv("DRAFTSMITH_TRUSTED_KEYS", str(tmp_path))  # a folder with both CAs
+    assert verify_folder_signature(pkg) == who
+    (pkg / "config.json").write_text("{}")  # tampered after signing
+    with pytest.raises(PackageSignatureError, match="config.json"):
+        verify_folder_signature(pkg)
+
+
+def test_a_certificate_for_another_key_is_refused_before_signing(tmp_path, monkeypatch):
+    ca = _ca(tmp_path, "Draft CA")
+    monkeypatch.setenv("DRAFTSMITH_SIGNING_CERT",
+                       str(_leaf(tmp_path, ca, "bob", tmp_path / "bob" / "key.pem")))
+    with pytest.raises(ValueError, match="certifies another key"):
+        _package(tmp_path)
+    monkeypatch.setenv("DRAFTSMITH_SIGNING_CERT", str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="does not exist"):
+        _package(tmp_path, "pkg2")
