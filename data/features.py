@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,9 @@ from data.target import TargetIdentity, TargetMismatchError, sha256_file
 
 FORMAT_VERSION = 1
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+log = logging.getLogger(__name__)
 
 
 class FeatureCacheError(ValueError):
@@ -180,6 +185,12 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     ntok = [len(r["input_ids"]) for r in rows]
     done = sum(sum(ntok[k * shard_size:(k + 1) * shard_size]) for k in range(n_shards)
                if k not in todo)
+    hidden = target.identity.hidden_size
+    elem = torch.finfo(DTYPES[dtype]).bits // 8
+    per_token = bytes_per_token(hidden, elem, layers, n_layers)
+    if todo:
+        check_space(out, sum(ntok) * per_token, (sum(ntok) - done) * per_token, sum(ntok),
+                    per_token)
     bar = tqdm(total=sum(ntok), initial=done, desc=f"feature cache ({n_shards} shards)",
                unit="tok", unit_scale=True, disable=not progress)
     for k in todo:
@@ -195,13 +206,11 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
         shards.append({"file": shard_name(k), "sequences": len(chunk),
                        "tokens": int(sum(len(r["input_ids"]) for r in chunk)),
                        "sha256": sha256_file(out / shard_name(k))})
-    hidden = target.identity.hidden_size
-    elem = torch.finfo(DTYPES[dtype]).bits // 8
     manifest = {**{k: spec[k] for k in ("format_version", "target", "layers", "dtype",
                                         "inputs_sha256")},
                 "hidden_size": hidden, "sequences": len(rows),
                 "tokens": int(sum(s["tokens"] for s in shards)), "shards": shards,
-                "bytes_per_token": bytes_per_token(hidden, elem, layers, n_layers)}
+                "bytes_per_token": per_token}
     tmp = manifest_path.with_name(f"manifest.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, manifest_path)
@@ -214,6 +223,20 @@ def bytes_per_token(hidden_size: int, elem_bytes: int, layers: Sequence[int],
     (``num_layers``, served by the final hidden state), an int32 id and a bool mask."""
     extra = sum(1 for i in set(layers) if i != num_layers)
     return hidden_size * elem_bytes * (1 + extra) + 4 + 1
+
+
+def check_space(out: Path, total: int, remaining: int, tokens: int, per_token: int) -> None:
+    """Log the cache's size before building it (tokens x bytes per token) and refuse to start
+    when the disk holding ``out`` has less room than the part still to write."""
+    free = shutil.disk_usage(out).free
+    log.info("feature cache %s: %s tokens x %d bytes per token = %.2f GB (%.2f GB still to "
+             "write; %.2f GB free there)", out, f"{tokens:,}", per_token, total / 1e9,
+             remaining / 1e9, free / 1e9)
+    if remaining > free:
+        raise FeatureCacheError(
+            f"the feature cache {out} needs {remaining / 1e9:.2f} GB more but its disk has "
+            f"{free / 1e9:.2f} GB free: free some space, put data.cache.dir on a larger disk, or "
+            "cache fewer tokens (data.num_conversations, data.max_length)")
 
 
 def read_manifest(cache_dir: str | Path) -> dict[str, Any]:

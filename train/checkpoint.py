@@ -107,6 +107,7 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 RESUME_FREE_KEYS = ("name", "out_dir", "logging", "train.log_every", "train.eval_every",
                     "train.eval_batches", "train.save_every", "train.keep_checkpoints",
                     "train.resume", "train.count_flops", "train.cpu_threads",
+                    "train.dist_timeout_s", "train.cache_wait_s",
                     "train.teacher_logits_budget", "train.teacher_per_token", "data.cache.dir",
                     "target.name")
 # May grow (a longer run continues the same one); a smaller value is a difference.

@@ -5,6 +5,7 @@ line fails in a second instead of after the feature cache has been built.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -34,7 +35,7 @@ def _positive(cfg: DictConfig, key: str, kind: type = int, allow_zero: bool = Fa
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok and kind is int:
         ok = float(value).is_integer()
-    if not ok or value < 0 or (value == 0 and not allow_zero):
+    if not ok or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         need = "a non-negative" if allow_zero else "a positive"
         raise ConfigError(f"{key}={value!r} is invalid: it must be {need} "
                           f"{'integer' if kind is int else 'number'}")
@@ -62,6 +63,9 @@ def validate_config(cfg: DictConfig) -> None:
         _positive(cfg, key)
     _positive(cfg, "train.keep_checkpoints")
     _positive(cfg, "train.max_grad_norm", float, allow_zero=True)
+    for key in ("train.dist_timeout_s", "train.cache_wait_s"):
+        if OmegaConf.select(cfg, key) is not None:
+            _positive(cfg, key, float)
     _one_of(cfg, "train.mixed_precision", MIXED_PRECISION)
     _one_of(cfg, "target.dtype", TARGET_DTYPES)
     if OmegaConf.select(cfg, "train.cpu_threads") is not None:

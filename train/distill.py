@@ -42,8 +42,11 @@ from train.losses import feature_regression, shared_teacher_log_probs
 from train.runtime import (
     StepLog,
     cosine_with_warmup,
+    main_process_first,
     make_accelerator,
     make_epoch_loader,
+    peer_lost,
+    rank_placement,
     reexec_with_tuned_malloc,
 )
 from train.trainable import build_trainable
@@ -94,6 +97,7 @@ class DistillRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.accelerator = make_accelerator(cfg)
+        self.ranks = rank_placement(self.accelerator)  # where each rank runs (summary.json)
         acc = self.accelerator
         self._check_ranks_agree_on_dtypes()
         torch.manual_seed(cfg.seed)
@@ -109,7 +113,7 @@ class DistillRecipe:
         from data.target import load_target
         from data.tiny import target_path_from_config
 
-        with acc.main_process_first():
+        with main_process_first(acc, cfg.train.cache_wait_s):
             self.target = load_target(target_path_from_config(cfg.target),
                                       dtype=getattr(torch, cfg.target.dtype))
         tcfg = self.target.model.config
@@ -120,7 +124,7 @@ class DistillRecipe:
         from data.prepare import prepare_data
 
         layers = OmegaConf.select(cfg, "draft.config.fuse_layers") or []
-        with acc.main_process_first():
+        with main_process_first(acc, cfg.train.cache_wait_s):
             train_dir, val_dir, self.data_report = prepare_data(
                 cfg.data, self.target, layers=list(layers), is_main=acc.is_main_process)
         self.train_set = FeatureDataset(train_dir)
@@ -462,6 +466,8 @@ def run(cfg: DictConfig) -> dict:
     try:
         final = recipe.train()
         pkg = recipe.save_package()
+    except RuntimeError as e:  # a peer died or hangs: say so, and how to resume
+        raise peer_lost(e, recipe.accelerator, cfg.train.dist_timeout_s, recipe.out_dir) from e
     finally:
         recipe.cleanup()
     init = recipe.initial_validation or {}
@@ -469,7 +475,8 @@ def run(cfg: DictConfig) -> dict:
                "alpha_hat": final["alpha_hat"], "alpha_hat_init": init.get("alpha_hat"),
                "top1": final["top1"], "distributed_type": recipe.accelerator.distributed_type.name,
                "num_processes": recipe.accelerator.num_processes,
-               "rank_batch_fingerprints": recipe.rank_fingerprints}
+               "rank_batch_fingerprints": recipe.rank_fingerprints,
+               "ranks": recipe.ranks}
     if recipe.accelerator.is_main_process:
         (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("alpha-hat per position: init %s -> trained %s",

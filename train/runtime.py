@@ -13,6 +13,8 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -77,7 +79,10 @@ def make_accelerator(cfg: DictConfig):
     if not has_cuda:
         torch.set_num_threads(cpu_threads(cfg.train.get("cpu_threads")))
     kwargs: dict = {}
-    handlers = []
+    # a collective waits at most this long for a peer (a dead or hung machine fails the run
+    # instead of hanging it; torch's default is 30 minutes for gloo, 10 for NCCL)
+    timeout = timedelta(seconds=float(cfg.train.get("dist_timeout_s") or 1800))
+    handlers = [InitProcessGroupKwargs(timeout=timeout)]
     if not has_cuda and world > 1:
         if use_fsdp or "FSDP" in cfg.launcher.distributed_type:
             raise ConfigError(
@@ -86,7 +91,7 @@ def make_accelerator(cfg: DictConfig):
                 "launcher=deepspeed_zero2 here")
         if use_deepspeed:
             # gloo process group; Accelerator(cpu=True) would silently drop DeepSpeed.
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            handlers = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True  # real DDP over gloo
     mp = cfg.train.mixed_precision
@@ -118,6 +123,59 @@ def _check_launch(cfg: DictConfig, acc) -> None:
             f"launcher={launcher.name} expects {launcher.num_processes} processes but "
             f"{acc.num_processes} were launched; pass --num_processes {launcher.num_processes} or "
             f"launcher.num_processes={acc.num_processes}")
+
+
+@contextmanager
+def main_process_first(acc, timeout_s: float):
+    """``Accelerator.main_process_first`` with its own barrier timeout: the main process may
+    convert the target or build the feature cache for far longer than a training collective may
+    wait (``train.dist_timeout_s``). On gloo a monitored barrier names a rank that never came."""
+    def barrier() -> None:
+        import torch.distributed as dist
+
+        if acc.num_processes > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        else:
+            acc.wait_for_everyone()
+
+    if not acc.is_main_process:
+        barrier()
+    yield
+    if acc.is_main_process:
+        barrier()
+
+
+def rank_placement(acc) -> list[dict]:
+    """Where every rank ran, gathered (a collective): global and local rank, and the machine
+    rank torchrun gave its node (``GROUP_RANK``; 0 on one machine)."""
+    from accelerate.utils import gather_object
+
+    mine = {"rank": acc.process_index, "local_rank": acc.local_process_index,
+            "machine": int(os.environ.get("GROUP_RANK", "0"))}
+    return gather_object([mine]) if acc.num_processes > 1 else [mine]
+
+
+class PeerLostError(RuntimeError):
+    """A collective operation failed: another process or machine of the run died or hangs."""
+
+
+def peer_lost(error: BaseException, acc, timeout_s: float | None, out_dir: Path) -> Exception:
+    """The error to raise when a distributed run's collective fails (``error`` as is on one
+    process or when it is not a communication failure)."""
+    text = str(error)
+    markers = ("gloo", "Connection reset", "Connection closed", "Timed out", "timed out",
+               "NCCL", "Broken pipe", "ProcessGroup")
+    if acc.num_processes == 1 or not any(m in text for m in markers):
+        return error
+    from train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out_dir)
+    return PeerLostError(
+        f"rank {acc.process_index} of {acc.num_processes}: a collective failed, so another "
+        f"process or machine of this run died or stopped answering (waited up to "
+        f"{timeout_s or 1800:.0f} s, train.dist_timeout_s): {text.splitlines()[0][:300]}. Relaunch "
+        f"every machine with the same command: training resumes from "
+        f"{last if last is not None else 'the start (no checkpoint yet)'}")
 
 
 def make_epoch_loader(dataset, batch_size: int, seed: int, epoch: int, shuffle: bool, accelerator,

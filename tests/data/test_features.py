@@ -256,3 +256,38 @@ def test_prepare_data_builds_then_reuses_caches(tmp_path):
     with pytest.raises(ValueError, match="unknown data config keys \\['max_lenght'\\]"):
         prepare_data(cfg, target, tmp_path / "out")
 
+
+
+def _long_rows(n: int, length: int, vocab: int = 96) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(3, vocab, (length,), generator=g).tolist(),
+             "loss_mask": [True] * length} for _ in range(n)]
+
+
+def test_the_storage_estimate_is_within_one_percent_of_the_cache_it_builds(tmp_path, tiny_target,
+                                                                          caplog):
+    import logging
+
+    rows = _long_rows(24, 300)
+    with caplog.at_level(logging.INFO, logger="data.features"):
+        man = build_feature_cache(tiny_target, rows, tmp_path / "c", layers=[1], shard_size=8,
+                                  progress=False)
+    line = next(r.getMessage() for r in caplog.records if "bytes per token" in r.getMessage())
+    estimate = man["tokens"] * man["bytes_per_token"]
+    assert f"7,200 tokens x {man['bytes_per_token']} bytes per token" in line
+    assert f"{estimate / 1e9:.2f} GB" in line
+    size = sum((tmp_path / "c" / s["file"]).stat().st_size for s in man["shards"])
+    assert abs(size - estimate) <= 0.01 * size, (size, estimate)
+
+
+def test_a_cache_larger_than_the_free_disk_is_refused_before_any_shard(tmp_path, tiny_target,
+                                                                      monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(FeatureCacheError, match=r"needs 0\.00 GB more but its disk has 0\.00 GB "
+                                                r"free: .*data\.cache\.dir"):
+        build_feature_cache(tiny_target, _long_rows(4, 50), tmp_path / "c", progress=False)
+    assert not list((tmp_path / "c").glob("shard-*"))

@@ -12,64 +12,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "conf"
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-TINY = ["debug=tiny", "data=sharegpt_tiny", "data.num_conversations=24", "data.max_length=96",
-        "logging=none"]
-
-
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="distill", overrides=overrides)
-
-
-def _run_inprocess(overrides: list[str]) -> dict:
-    from accelerate.state import AcceleratorState
-
-    from train.distill import run
-
-    AcceleratorState._reset_state(True)
-    try:
-        return run(_compose(overrides))
-    finally:
-        AcceleratorState._reset_state(True)
-
-
-def _launch(args: list[str], out_dir: Path, overrides: list[str], port: int,
-            check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [ACCELERATE, "launch", *args, "--main_process_port", str(port), "train/distill.py",
-           *overrides, f"out_dir={out_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-5000:]}")
-    return proc
-
-
-def _weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    pkg = out_dir / "draft"
-    files = sorted(pkg.glob("*.safetensors"))
-    assert files, f"no weights in {pkg}"
-    out = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
-
-
-def _assert_same(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    worst = max((x - b[k]).abs().max().item() for k, x in a.items())
-    assert worst <= atol, f"weights differ by {worst:.3g} > {atol}"
+from tests.train.launching import (
+    REPO,
+    TINY,
+)
+from tests.train.launching import assert_resumed as _assert_resumed
+from tests.train.launching import assert_same as _assert_same
+from tests.train.launching import compose_config as _compose
+from tests.train.launching import launch as _launch
+from tests.train.launching import log_rows as _log_rows
+from tests.train.launching import run_inprocess as _run_inprocess
+from tests.train.launching import weights as _weights
 
 
 @pytest.fixture(scope="module")
@@ -202,24 +160,6 @@ def test_sigkill_then_resume_equals_uninterrupted(warm_cache, tmp_path):
     proc = _launch(["--config_file", "conf/accelerate/single.yaml"], run, common, port=29612)
     _assert_resumed(proc.stdout + proc.stderr, _log_rows(run)[len(logged):], ckpt, last_step=8)
     _assert_same(_weights(run), _weights(ref), atol=1e-6)
-
-
-def _log_rows(out_dir: Path) -> list[dict]:
-    path = out_dir / "train_log.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-
-
-def _assert_resumed(console: str, rows: list[dict], ckpt: Path, last_step: int) -> None:
-    """A relaunch resumed from ``ckpt``: it said so, and its ``train_log.jsonl`` rows (``rows``)
-    count on from the checkpoint's step to ``last_step`` without a fresh start."""
-    step = int(ckpt.name.removeprefix("step-"))  # the folder's own step: later saves rotate it
-    assert re.search(rf"resumed from \S*{ckpt.name} \(step {step},", console), (
-        f"the relaunch did not log 'resumed from .../{ckpt.name} (step {step}, ...)'")
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert steps == list(range(step + 1, last_step + 1)), (
-        f"the relaunch trained steps {steps}, not {step + 1}..{last_step} after the checkpoint "
-        f"of step {step}")
-    assert not any(r.get("tag") == "init" for r in rows), "the relaunch validated from scratch"
 
 
 @pytest.mark.parametrize("variant", ["resume", "no-op resume", "wrong step"])

@@ -1,0 +1,98 @@
+"""Two accelerate "machines" on this one (``--num_machines 2 --machine_rank 0/1``, rendezvous at
+127.0.0.1, one process each, gloo): the same weights as one process for DDP and DeepSpeed ZeRO-2;
+a machine killed or frozen mid-run makes the other fail with PeerLostError, not hang; a relaunch
+of both resumes from the last checkpoint."""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.launching import (
+    TINY,
+    assert_resumed,
+    assert_same,
+    kill_machine,
+    launch,
+    launch_machines,
+    log_rows,
+    wait_machines,
+    weights,
+)
+
+pytestmark = pytest.mark.slow
+PARITY = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=3",
+                 "train.eval_every=3", "train.save_every=3", "seed=1"]
+
+
+def _summary(out: Path) -> dict:
+    import json
+
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_two_machines_ddp_and_zero2_match_one_process(tmp_path):
+    one = tmp_path / "one"
+    launch(["--config_file", "conf/accelerate/single.yaml"], one,
+           PARITY + ["train.micro_batch_size=4"], port=29661)
+    ddp, zero2 = tmp_path / "ddp", tmp_path / "zero2"
+    wait_machines(launch_machines("conf/accelerate/ddp.yaml", ddp,
+                                  PARITY + ["launcher=ddp", "train.micro_batch_size=2"],
+                                  port=29662), ddp)
+    # DeepSpeed's own multi-node launcher needs ssh/pdsh; "standard" runs torchrun per machine
+    wait_machines(launch_machines("conf/accelerate/deepspeed_zero2.yaml", zero2,
+                                  PARITY + ["launcher=multinode", "train.micro_batch_size=2"],
+                                  port=29663, extra=("--deepspeed_multinode_launcher",
+                                                     "standard")), zero2)
+    for out, kind in ((ddp, "MULTI_CPU"), (zero2, "DEEPSPEED")):
+        s = _summary(out)
+        assert (s["distributed_type"], s["num_processes"]) == (kind, 2)
+        assert [(r["rank"], r["local_rank"], r["machine"]) for r in s["ranks"]] == [
+            (0, 0, 0), (1, 0, 1)], s["ranks"]  # one process on each of two machines
+        fp = s["rank_batch_fingerprints"]
+        assert len(fp) == 2 and fp[0] != fp[1], f"ranks saw the same data: {fp}"
+    ref = weights(one)
+    assert_same(weights(ddp), ref, atol=1e-5)
+    assert_same(weights(zero2), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize(("how", "sig"), [("killed", signal.SIGKILL), ("frozen", signal.SIGSTOP)])
+def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_path):
+    """SIGKILL closes the lost machine's sockets (the other fails at once); SIGSTOP leaves them
+    open, as a machine that hangs or loses its network would: the other waits
+    ``train.dist_timeout_s`` (20 s here), then fails."""
+    run = tmp_path / "run"
+    common = TINY + ["draft=medusa", "train.max_steps=30", "train.eval_every=30",
+                     "train.save_every=3", "train.dist_timeout_s=20", "seed=2", "launcher=ddp",
+                     "train.micro_batch_size=2"]
+    procs = launch_machines("conf/accelerate/ddp.yaml", run, common, port=29671)
+    deadline = time.time() + 600
+    while not (run / "checkpoints" / "step-000003" / "trainer_state.json").exists():
+        assert all(p.poll() is None for p in procs), "a machine ended before the loss"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    kill_machine(procs[1], sig)
+    start = time.time()
+    try:
+        code = procs[0].wait(timeout=180)
+    finally:
+        kill_machine(procs[1], signal.SIGKILL)
+        kill_machine(procs[0], signal.SIGKILL)
+    waited = time.time() - start
+    console = Path(f"{run}.machine0.log").read_text()
+    assert code != 0
+    assert "PeerLostError: rank 0 of 2: a collective failed" in console, console[-3000:]
+    assert "Relaunch every machine with the same command" in console
+    if how == "frozen":
+        assert 15 < waited < 120, f"machine 0 failed after {waited:.0f} s, not ~20 s"
+    # both machines relaunched with the same command: training goes on from the checkpoint
+    from train.checkpoint import latest_checkpoint
+
+    ckpt, logged = latest_checkpoint(run), log_rows(run)
+    assert ckpt is not None
+    assert int(ckpt.name.removeprefix("step-")) < 30, "the run finished before the loss"
+    wait_machines(launch_machines("conf/accelerate/ddp.yaml", run, common, port=29672), run)
+    assert_resumed(Path(f"{run}.machine0.log").read_text(), log_rows(run)[len(logged):], ckpt,
+                   last_step=30)
