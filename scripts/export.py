@@ -135,12 +135,38 @@ def speculative_tokens(speculation: dict | None, family: DraftFamily, head_confi
     return family.default_draft_length(head_config)
 
 
+def readable_by_older_loaders(cfg: dict) -> dict:
+    """A config both transformers 5 and the 4.x loaders inside engines read the same way:
+    transformers 5 keeps the RoPE base only in ``rope_parameters``, and 4.x, finding no
+    ``rope_theta``, silently uses 10,000 (SmolLM2 needs 100,000): write both."""
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") not in ("default", None) and "rope_scaling" not in cfg:
+        cfg["rope_scaling"] = dict(rope)
+    return cfg
+
+
 def _layer_config(target_config: dict) -> dict:
     """The target's config cut to the head's single decoder layer."""
     cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
     cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
     cfg.pop("layer_types", None)
-    return cfg
+    return readable_by_older_loaders(cfg)
+
+
+# transformers 5 names its tokenizer class TokenizersBackend; 4.x refuses that name and loads
+# the same tokenizer.json as PreTrainedTokenizerFast
+NEW_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def _portable_tokenizer_config(folder: Path) -> None:
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        if cfg.get("tokenizer_class") in NEW_TOKENIZER_CLASSES:
+            cfg["tokenizer_class"] = NEW_TOKENIZER_CLASSES[cfg["tokenizer_class"]]
+            _write_json(path, cfg)
 
 
 def eagle1_incompatibilities(pkg: DraftPackage, engine: str) -> list[str]:
@@ -236,6 +262,7 @@ class WriteOptions:
     verifier: str
     engine: str
     tokenizer: Any = None
+    legacy_speculators: bool = False
 
 
 def _write_hf(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
@@ -249,6 +276,9 @@ def _write_hf(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
         shutil.copy2(pkg.path / name, tmp / name)
     if not copied and tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    _write_json(tmp / "config.json",
+                readable_by_older_loaders(json.loads((tmp / "config.json").read_text())))
+    _portable_tokenizer_config(tmp)
 
 
 def _write_medusa(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
@@ -277,7 +307,16 @@ def _write_eagle(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
     _write_json(tmp / "config.json", cfg)
 
 
+STALE_SPECULATORS = (
+    "format=speculators writes speculators' 'eagle' type, which speculators dropped after 0.4.0.1 "
+    "and vLLM 0.32 refuses ('Expected one of: eagle3, peagle, dflash, dflash2, dspark'); serve "
+    "this head in vLLM with format=eagle (speculative_config method 'eagle'), or pass "
+    "legacy_speculators=true for speculators <= 0.4.0.1")
+
+
 def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
+    if not opts.legacy_speculators:
+        raise ExportError(STALE_SPECULATORS)
     dtype, k, verifier = opts.dtype, opts.k, opts.verifier
     # vllm serves this format with its EAGLE-1 model, whose fc has no bias
     _refuse(eagle1_incompatibilities(pkg, engine="vllm"), "speculators 'eagle'")
@@ -313,7 +352,8 @@ WRITERS = {"hf": _write_hf, "medusa": _write_medusa, "eagle": _write_eagle,
 def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = None,
                    engine: str = "vllm", num_speculative_tokens: int | None = None,
                    verifier: str | None = None, dtype: torch.dtype = torch.float32,
-                   allow_unverified: bool = False, overwrite: bool = False) -> Path:
+                   allow_unverified: bool = False, overwrite: bool = False,
+                   legacy_speculators: bool = False) -> Path:
     """Export a verified draft package to a serving-engine layout (written atomically).
 
     Args:
@@ -327,10 +367,13 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         engine: ``vllm`` or ``sglang`` (EAGLE-1 architecture name and fc-bias support).
         num_speculative_tokens: draft length advertised to engines; None = K* from
             ``speculation.json`` or the family default.
-        verifier: the target's name or path as engines should load it; None = identity name.
+        verifier: the target's hub id or path as engines should load it; None = the loaded
+            target's local folder when ``target`` is given, else the identity name (a warning:
+            engines cannot load a bare name).
         dtype: weight dtype of the export.
         allow_unverified: export a package that fails its integrity check (warns loudly).
         overwrite: replace ``out`` when it holds a previous export of this package (atomically).
+        legacy_speculators: allow ``format=speculators`` (the stale ``eagle`` type).
 
     Raises:
         OutPathError: writing ``out`` would lose files (nothing was written).
@@ -340,6 +383,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     check_out(Path(draft), Path(out), overwrite)
+    if fmt == "speculators" and not legacy_speculators:
+        raise ExportError(STALE_SPECULATORS)  # before loading anything
     pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
     if fmt not in pkg.family.export_formats:
         raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
@@ -347,12 +392,18 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                          f"{' or '.join(pkg.family.export_formats)}")
     k = num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.family,
                                                      pkg.head_config)
-    verifier = verifier or pkg.info["target"]["name"]
+    if verifier is None and getattr(target, "path", None) is not None:
+        verifier = str(Path(target.path).resolve())
+    if verifier is None:
+        verifier = pkg.info["target"]["name"]
+        log.warning("the export names its target %r, which engines cannot load unless it is a "
+                    "hub id or a path: pass verifier=<hub id or folder of the target>", verifier)
     out = Path(out)
     tmp = fresh_tmp_dir(out)
     try:
         WRITERS[fmt](pkg, tmp, WriteOptions(dtype, k, verifier, engine,
-                                            getattr(target, "tokenizer", None)))
+                                            getattr(target, "tokenizer", None),
+                                            legacy_speculators))
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
         if (pkg.path / TOKEN_FREQUENCY).is_file():  # the draft vocabulary of speculation.json
@@ -401,7 +452,8 @@ def main(cfg: Any) -> Path:
                          num_speculative_tokens=cfg.num_speculative_tokens,
                          verifier=cfg.verifier, dtype=dtype,
                          allow_unverified=cfg.allow_unverified,
-                         overwrite=bool(cfg.get("overwrite", False)))
+                         overwrite=bool(cfg.get("overwrite", False)),
+                         legacy_speculators=bool(cfg.get("legacy_speculators", False)))
     print(f"exported {cfg.draft} as format={cfg.format} to {out}")
     return out
 

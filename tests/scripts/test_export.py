@@ -128,7 +128,8 @@ def test_normed_eagle_head_is_refused_naming_the_fix(tmp_path, fmt, engine):
     pkg = save_package(tmp_path / "pkg", "eagle", build_eagle(cfg, target.model), cfg,
                        target.identity)
     with pytest.raises(ExportError) as err:
-        export_package(pkg, fmt, tmp_path / fmt, engine=engine)
+        export_package(pkg, fmt, tmp_path / fmt, engine=engine,
+                       legacy_speculators=fmt == "speculators")
     msg = str(err.value)
     assert "layout=normed" in msg and "draft.config.layout=eagle1" in msg
     assert "layer.input_layernorm" in msg and "norm: the head normalises its output" in msg
@@ -147,7 +148,7 @@ def test_eagle1_head_beyond_any_engine_layout_is_refused(tmp_path, cfg, what):
     pkg = save_package(tmp_path / "pkg", "eagle", head, cfg, target.identity)
     for fmt in ("eagle", "speculators"):
         with pytest.raises(ExportError) as err:
-            export_package(pkg, fmt, tmp_path / fmt)
+            export_package(pkg, fmt, tmp_path / fmt, legacy_speculators=fmt == "speculators")
         msg = str(err.value)
         assert what in msg and "no engine layout" in msg and "layout=normed" not in msg
         assert not (tmp_path / fmt).exists()
@@ -191,7 +192,8 @@ def test_eagle1_head_exports_exactly(tmp_path, fmt, engine, fc_prefix, layer_pre
     head = _eagle1_head(target)
     pkg = save_package(tmp_path / "pkg", "eagle", head, EagleConfig(), target.identity,
                        extra_json={"speculation": {"k_star": 5}})
-    out = export_package(pkg, fmt, tmp_path / fmt, engine=engine)
+    out = export_package(pkg, fmt, tmp_path / fmt, engine=engine,
+                         legacy_speculators=fmt == "speculators")
     _conforms(out, fmt)
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
@@ -467,3 +469,31 @@ def test_hf_export_of_a_real_draft_lm_is_an_assistant_model_for_smollm2(real_tar
     plain = model.generate(ids, max_new_tokens=24, do_sample=False)
     assisted = model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant)
     assert assisted.tolist() == plain.tolist()
+
+
+def test_the_stale_speculators_format_is_refused_before_loading(tmp_path):
+    with pytest.raises(ExportError, match=r"dropped after 0\.4\.0\.1.*format=eagle.*"
+                                          r"legacy_speculators=true"):
+        export_package(tmp_path / "no-such-package", "speculators", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_exported_configs_carry_rope_theta_for_older_loaders(tmp_path):
+    """transformers 4.x reads the RoPE base from ``rope_theta`` only (else 10,000, silently)."""
+    target = make_tiny_target()
+    tc = target.model.config.to_dict()
+    base = (tc.get("rope_parameters") or {}).get("rope_theta") or tc.get("rope_theta")
+    pkg = save_package(tmp_path / "pkg", "eagle", _eagle1_head(target), EagleConfig(),
+                       target.identity)
+    cfg = json.loads((export_package(pkg, "eagle", tmp_path / "e") / "config.json").read_text())
+    assert base and cfg["rope_theta"] == base
+    assert export.readable_by_older_loaders(
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}) == {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        "rope_theta": 100000.0}
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
+    export._portable_tokenizer_config(tok)
+    assert json.loads((tok / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        "PreTrainedTokenizerFast")
