@@ -123,7 +123,9 @@ def _write_shard(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[
 def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                         layers: Sequence[int] = (), dtype: str = "float16", batch_size: int = 8,
                         shard_size: int = 256, progress: bool = True,
-                        on_shard: Callable[[int], None] | None = None) -> dict[str, Any]:
+                        on_shard: Callable[[int], None] | None = None,
+                        ranks: tuple[int, int, Callable[[], None]] | None = None
+                        ) -> dict[str, Any]:
     """Run the target once over tokenized rows and store its hidden states as shards.
 
     Args:
@@ -136,6 +138,10 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
         shard_size: Sequences per shard.
         progress: Show a tqdm bar over tokens.
         on_shard: Called with the shard index after each shard is written (for tests/logging).
+        ranks: ``(rank, world, barrier)`` when ``world`` processes build the cache together
+            (all calling this at once): rank ``r`` writes shards ``r, r + world, ...``, rank 0
+            the spec and the manifest, ``barrier`` waits for all ranks. The shards are those one
+            process would write (same rows, batches and order).
 
     Returns:
         The manifest dict (also written to ``manifest.json``).
@@ -161,6 +167,9 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             "layers": layers, "dtype": dtype, "shard_size": shard_size,
             "inputs_sha256": inputs_fingerprint(rows), "sequences": len(rows)}
     spec_path, manifest_path = out / "spec.json", out / "manifest.json"
+    rank, world, barrier = ranks if ranks is not None else (0, 1, lambda: None)
+    if rank != 0:
+        barrier()  # rank 0 checks or writes the spec first
     if spec_path.exists():
         old = json.loads(spec_path.read_text())
         TargetIdentity.from_dict(old["target"]).check_compatible(
@@ -171,34 +180,45 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                 f"{out} holds a feature cache built with different {diff}; "
                 "delete it or choose another directory")
         if manifest_path.exists():
+            if rank == 0 and world > 1:
+                barrier()
             return json.loads(manifest_path.read_text())
     else:
         out.mkdir(parents=True, exist_ok=True)
         tmp = spec_path.with_name(f"spec.json.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(spec, indent=2))
         os.replace(tmp, spec_path)
+    if rank == 0 and world > 1:
+        barrier()
 
     model = target.model.eval()
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     n_shards = (len(rows) + shard_size - 1) // shard_size
     todo = [k for k in range(n_shards) if not (out / shard_name(k)).exists()]
+    mine = [k for k in todo if k % world == rank]
     ntok = [len(r["input_ids"]) for r in rows]
     done = sum(sum(ntok[k * shard_size:(k + 1) * shard_size]) for k in range(n_shards)
                if k not in todo)
     hidden = target.identity.hidden_size
     elem = torch.finfo(DTYPES[dtype]).bits // 8
     per_token = bytes_per_token(hidden, elem, layers, n_layers)
-    if todo:
+    if todo and rank == 0:
         check_space(out, sum(ntok) * per_token, (sum(ntok) - done) * per_token, sum(ntok),
                     per_token)
     bar = tqdm(total=sum(ntok), initial=done, desc=f"feature cache ({n_shards} shards)",
                unit="tok", unit_scale=True, disable=not progress)
-    for k in todo:
+    for k in mine:
         _write_shard(model, rows[k * shard_size:(k + 1) * shard_size], layers, DTYPES[dtype],
                      batch_size, pad_id, out / shard_name(k), on_batch=bar.update)
         if on_shard is not None:
             on_shard(k)
     bar.close()
+    if world > 1:
+        log.info("rank %d of %d wrote shards %s of %s", rank, world, mine, out)
+        barrier()  # every rank's shards are written
+        if rank != 0:
+            barrier()  # rank 0 writes the manifest
+            return json.loads(manifest_path.read_text())
 
     shards = []
     for k in range(n_shards):
@@ -214,6 +234,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     tmp = manifest_path.with_name(f"manifest.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, manifest_path)
+    if world > 1:
+        barrier()
     return manifest
 
 

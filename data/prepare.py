@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ def default_feature_root() -> Path:
 
 
 def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
-                 layers: list[int] | None = None, is_main: bool = True
+                 layers: list[int] | None = None, is_main: bool = True,
+                 ranks: tuple[int, int, Callable[[], None]] | None = None
                  ) -> tuple[Path, Path, dict[str, Any]]:
     """Build (or reuse) the train and val feature caches for a data config.
 
@@ -74,6 +76,9 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
             Caches go to ``<root>/<key>/{train,val}`` where key hashes target, data and settings.
         layers: Extra hidden-state layer ids the draft needs (merged with ``cache.layers``).
         is_main: Only the main process builds; others expect a finished cache.
+        ranks: ``(rank, world, barrier)`` to build the cache data-parallel: every rank calls this
+            at once and writes every ``world``-th shard (regeneration stays on rank 0, the others
+            read its replies after ``barrier``); ``is_main`` is then ignored.
 
     Returns:
         ``(train_cache_dir, val_cache_dir, report)``.
@@ -95,7 +100,8 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     train_dir, val_dir, report_path = root / "train", root / "val", root / "report.json"
     if report_path.exists() and all((d / "manifest.json").exists() for d in (train_dir, val_dir)):
         return train_dir, val_dir, json.loads(report_path.read_text())
-    if not is_main:
+    rank, world, barrier = ranks if ranks is not None else (0 if is_main else 1, 1, lambda: None)
+    if rank != 0 and ranks is None:
         raise FeatureCacheError(f"feature cache {root} is not complete; the main process builds it")
     if target.tokenizer is None:
         raise ValueError("preparing data needs the target's tokenizer (chat template)")
@@ -112,21 +118,30 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
             raise ValueError(f"the {split} split is empty; use more data (data.num_conversations) "
                              f"or a larger data.split.{split}")
         if regen["enabled"]:
-            part = regenerate_conversations(
-                part, target, root / f"regenerated-{split}.jsonl",
-                temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
-                batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
-                max_replies=regen["max_replies"])
+            for turn in (0, 1):  # rank 0 generates; the others then read its finished file
+                if (rank == 0) == (turn == 0):
+                    part = regenerate_conversations(
+                        part, target, root / f"regenerated-{split}.jsonl",
+                        temperature=regen["temperature"],
+                        max_new_tokens=regen["max_new_tokens"], batch_size=regen["batch_size"],
+                        max_prompt_tokens=regen["max_prompt_tokens"],
+                        max_replies=regen["max_replies"], progress=rank == 0)
+                if turn == 0 and world > 1:
+                    barrier()
         ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
         if len(ds) == 0:
             raise ValueError(f"no {split} conversation has assistant tokens after tokenization")
         rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in ds]
         man = build_feature_cache(target, rows, cache_dir, layers=all_layers,
                                   dtype=c["cache"]["dtype"], batch_size=c["cache"]["batch_size"],
-                                  shard_size=c["cache"]["shard_size"])
+                                  shard_size=c["cache"]["shard_size"], progress=rank == 0,
+                                  ranks=(rank, world, barrier) if world > 1 else None)
         report[split] = {"tokenize": tok_rep.to_dict(), "sequences": man["sequences"],
                          "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"]}
-    tmp = report_path.with_name(f"report.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, report_path)
+    if rank == 0:
+        tmp = report_path.with_name(f"report.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, report_path)
+    if world > 1:
+        barrier()
     return train_dir, val_dir, report

@@ -15,6 +15,7 @@ metrics in ``train/``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.features import teacher_logits
+from data.features import FeatureDataset, teacher_logits
 from train import checkpoint as ckpt
 from train.config import (
     MIXED_PRECISION,
@@ -42,6 +43,7 @@ from train.losses import feature_regression, shared_teacher_log_probs
 from train.runtime import (
     StepLog,
     cosine_with_warmup,
+    long_barrier,
     main_process_first,
     make_accelerator,
     make_epoch_loader,
@@ -88,9 +90,7 @@ class DistillRecipe:
         resolve_auto_dtypes(cfg)
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
-        self.step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0
+        self.step = self.epoch = self.batch_in_epoch = 0
         self.rank_fingerprints: list[int] | None = None  # first batch of each rank (sharding check)
 
     # ------------------------------------------------------------------ setup
@@ -119,14 +119,14 @@ class DistillRecipe:
         tcfg = self.target.model.config
         validate_against_target(cfg, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)
 
-        # 2. feature cache (built once by the main process; other ranks then read it)
-        from data.features import FeatureDataset
+        # 2. feature cache: every rank writes its share of the shards, then all read them all
         from data.prepare import prepare_data
 
-        layers = OmegaConf.select(cfg, "draft.config.fuse_layers") or []
-        with main_process_first(acc, cfg.train.cache_wait_s):
-            train_dir, val_dir, self.data_report = prepare_data(
-                cfg.data, self.target, layers=list(layers), is_main=acc.is_main_process)
+        ranks = (acc.process_index, acc.num_processes,
+                 functools.partial(long_barrier, acc, cfg.train.cache_wait_s))
+        layers = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
+        train_dir, val_dir, self.data_report = prepare_data(
+            cfg.data, self.target, layers=layers, ranks=ranks)
         self.train_set = FeatureDataset(train_dir)
         self.val_set = FeatureDataset(val_dir)
         if len(self.train_set) < cfg.train.micro_batch_size * acc.num_processes:

@@ -125,18 +125,23 @@ def _check_launch(cfg: DictConfig, acc) -> None:
             f"launcher.num_processes={acc.num_processes}")
 
 
+def long_barrier(acc, timeout_s: float) -> None:
+    """``wait_for_everyone`` with its own timeout: converting the target or building the feature
+    cache takes far longer than a training collective may wait (``train.dist_timeout_s``). On
+    gloo a monitored barrier names a rank that never came."""
+    import torch.distributed as dist
+
+    if acc.num_processes > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        acc.wait_for_everyone()
+
+
 @contextmanager
 def main_process_first(acc, timeout_s: float):
-    """``Accelerator.main_process_first`` with its own barrier timeout: the main process may
-    convert the target or build the feature cache for far longer than a training collective may
-    wait (``train.dist_timeout_s``). On gloo a monitored barrier names a rank that never came."""
+    """``Accelerator.main_process_first`` through :func:`long_barrier`."""
     def barrier() -> None:
-        import torch.distributed as dist
-
-        if acc.num_processes > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-        else:
-            acc.wait_for_everyone()
+        long_barrier(acc, timeout_s)
 
     if not acc.is_main_process:
         barrier()

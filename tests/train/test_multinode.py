@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.train.launching import (
     TINY,
@@ -96,3 +97,36 @@ def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_pat
     wait_machines(launch_machines("conf/accelerate/ddp.yaml", run, common, port=29672), run)
     assert_resumed(Path(f"{run}.machine0.log").read_text(), log_rows(run)[len(logged):], ckpt,
                    last_step=30)
+
+
+def test_the_data_parallel_feature_cache_equals_the_one_process_cache(tmp_path):
+    """Two machines build one cache together (each rank writes every second shard); every
+    shard holds the same tensors, bit for bit, as the cache one process builds."""
+    from safetensors.torch import load_file
+
+    from tests.train.launching import run_inprocess
+
+    small = TINY + ["draft=eagle", "draft.config.fuse_layers=[1,2]", "data.cache.shard_size=4",
+                    "train.max_steps=1", "train.eval_every=1", "train.save_every=1"]
+    run_inprocess(small + [f"data.cache.dir={tmp_path / 'one'}", f"out_dir={tmp_path / 'o'}"])
+    out = tmp_path / "dp"
+    wait_machines(launch_machines("conf/accelerate/ddp.yaml", out, small + [
+        "launcher=ddp", "train.micro_batch_size=2", f"data.cache.dir={tmp_path / 'two'}"],
+        port=29681), out)
+    consoles = [Path(f"{out}.machine{r}.log").read_text() for r in (0, 1)]
+    for r, console in enumerate(consoles):
+        assert f"rank {r} of 2 wrote shards [{r}, {r + 2}" in console, console[-2000:]
+    (one,), (two,) = (list((tmp_path / d).iterdir()) for d in ("one", "two"))
+    assert one.name == two.name  # the same cache key
+    for split in ("train", "val"):
+        shards = sorted(p.name for p in (one / split).glob("shard-*"))
+        assert len(shards) >= (2 if split == "train" else 1)
+        assert shards == sorted(p.name for p in (two / split).glob("shard-*"))
+        for name in shards:
+            a, b = load_file(str(one / split / name)), load_file(str(two / split / name))
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) for k in a), f"{split}/{name} differs"
+        import json
+
+        ma, mb = (json.loads((d / split / "manifest.json").read_text()) for d in (one, two))
+        assert [s["tokens"] for s in ma["shards"]] == [s["tokens"] for s in mb["shards"]]
