@@ -139,3 +139,11 @@ def check_out_dir(key: str, value: Any, inputs: Mapping[str, Any],
                          "into: pass a folder path")
     _creatable(key, value, out)
     _not_an_input(key, value, out, [out / w for w in writes], inputs)
+
+
+def check_noise_tolerance(value: Any) -> None:
+    """``noise_tolerance``: a finite fraction >= 0 of the plain tokens/s (before loading)."""
+    allowed = "a fraction >= 0 such as 0.1"
+    if value is not None and number("noise_tolerance", value, allowed) < 0:
+        raise ValueError(f"noise_tolerance={value} is negative; pass {allowed}")
+

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from data.dtype import resolve_dtype
 from data.prompts import check_prompt_set
 from eval import session
-from eval.checks import check_out_file, check_sampling, integer, number
+from eval.checks import check_noise_tolerance, check_out_file, check_sampling, integer, number
 from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
 
@@ -67,6 +67,7 @@ def _validate(cfg: DictConfig) -> None:
     parse_draft_vocab(cfg.get("draft_vocab"))
     if cfg.k is not None and integer("k", cfg.k, "an integer >= 0 or null") < 0:
         raise ValueError(f"k must be >= 0 or null (K* from speculation.json), got {cfg.k}")
+    check_noise_tolerance(cfg.get("noise_tolerance"))
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     budget = cfg.get("time_budget_s")
     if budget is not None and number("time_budget_s", budget, "seconds > 0 or null") <= 0:

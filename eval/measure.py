@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.dtype import resolve_dtype
 from data.prompts import check_prompt_set
 from eval import session
-from eval.checks import check_sampling, integer
+from eval.checks import check_noise_tolerance, check_sampling, integer
 from eval.decode import CONF_DIR
 from eval.draft import build_proposer, load_draft, settle
 from eval.kstar import measure_speculation
@@ -80,6 +80,7 @@ def _validate(cfg: DictConfig) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.limit is not None and integer("limit", cfg.limit, "an integer >= 1 or null") < 1:
         raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
+    check_noise_tolerance(cfg.get("noise_tolerance"))
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     check_prompt_set(cfg.prompts)
 

@@ -62,6 +62,8 @@ SAMPLING = [
     ("top_p=nan", r"top_p=nan is NaN"),
     ("top_k=-1", r"top_k=-1 is negative; pass an integer top_k >= 0 \(0 = off\)"),
     ("top_k=1.5", r"top_k=1\.5 is not an integer"),
+    ("noise_tolerance=nan", r"noise_tolerance=nan is NaN"),
+    ("noise_tolerance=-0.1", r"noise_tolerance=-0\.1 is negative; pass a fraction >= 0"),
 ]
 
 
