@@ -96,10 +96,10 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
 
 def _write_shard(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
                  dtype: torch.dtype, batch_size: int, pad_id: int, path: Path,
-                 on_batch: Callable[[int], Any] | None = None) -> None:
+                 on_batch: Callable[[int], Any] | None = None, online: bool = False) -> None:
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
-    feats: list[dict[str, torch.Tensor] | None] = [None] * len(rows)
-    for s in range(0, len(order), batch_size):
+    feats: list[dict[str, torch.Tensor]] = [{} for _ in rows]
+    for s in range(0, 0 if online else len(order), batch_size):
         idx = order[s: s + batch_size]
         for i, f in zip(idx, _forward(model, [rows[i] for i in idx], layers, dtype, pad_id)):
             feats[i] = f
@@ -124,8 +124,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                         layers: Sequence[int] = (), dtype: str = "float16", batch_size: int = 8,
                         shard_size: int = 256, progress: bool = True,
                         on_shard: Callable[[int], None] | None = None,
-                        ranks: tuple[int, int, Callable[[], None]] | None = None
-                        ) -> dict[str, Any]:
+                        ranks: tuple[int, int, Callable[[], None]] | None = None,
+                        online: bool = False) -> dict[str, Any]:
     """Run the target once over tokenized rows and store its hidden states as shards.
 
     Args:
@@ -142,6 +142,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             (all calling this at once): rank ``r`` writes shards ``r, r + world, ...``, rank 0
             the spec and the manifest, ``barrier`` waits for all ranks. The shards are those one
             process would write (same rows, batches and order).
+        online: store the tokens only (5 bytes per token); :class:`OnlineFeatures` computes the
+            hidden states of each batch with the target during training.
 
     Returns:
         The manifest dict (also written to ``manifest.json``).
@@ -166,6 +168,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     spec = {"format_version": FORMAT_VERSION, "target": target.identity.to_dict(),
             "layers": layers, "dtype": dtype, "shard_size": shard_size,
             "inputs_sha256": inputs_fingerprint(rows), "sequences": len(rows)}
+    if online:
+        spec["online"] = True
     spec_path, manifest_path = out / "spec.json", out / "manifest.json"
     rank, world, barrier = ranks if ranks is not None else (0, 1, lambda: None)
     if rank != 0:
@@ -201,7 +205,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                if k not in todo)
     hidden = target.identity.hidden_size
     elem = torch.finfo(DTYPES[dtype]).bits // 8
-    per_token = bytes_per_token(hidden, elem, layers, n_layers)
+    per_token = 5 if online else bytes_per_token(hidden, elem, layers, n_layers)
     if todo and rank == 0:
         check_space(out, sum(ntok) * per_token, (sum(ntok) - done) * per_token, sum(ntok),
                     per_token)
@@ -209,7 +213,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                unit="tok", unit_scale=True, disable=not progress)
     for k in mine:
         _write_shard(model, rows[k * shard_size:(k + 1) * shard_size], layers, DTYPES[dtype],
-                     batch_size, pad_id, out / shard_name(k), on_batch=bar.update)
+                     batch_size, pad_id, out / shard_name(k), on_batch=bar.update, online=online)
         if on_shard is not None:
             on_shard(k)
     bar.close()
@@ -230,7 +234,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                                         "inputs_sha256")},
                 "hidden_size": hidden, "sequences": len(rows),
                 "tokens": int(sum(s["tokens"] for s in shards)), "shards": shards,
-                "bytes_per_token": per_token}
+                "bytes_per_token": per_token, "online": online}
     tmp = manifest_path.with_name(f"manifest.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, manifest_path)
@@ -247,6 +251,9 @@ def bytes_per_token(hidden_size: int, elem_bytes: int, layers: Sequence[int],
     return hidden_size * elem_bytes * (1 + extra) + 4 + 1
 
 
+ONLINE_ADVICE_BYTES = 100 * 10**9  # caches above this size get the advice to go online
+
+
 def check_space(out: Path, total: int, remaining: int, tokens: int, per_token: int) -> None:
     """Log the cache's size before building it (tokens x bytes per token) and refuse to start
     when the disk holding ``out`` has less room than the part still to write."""
@@ -254,6 +261,10 @@ def check_space(out: Path, total: int, remaining: int, tokens: int, per_token: i
     log.info("feature cache %s: %s tokens x %d bytes per token = %.2f GB (%.2f GB still to "
              "write; %.2f GB free there)", out, f"{tokens:,}", per_token, total / 1e9,
              remaining / 1e9, free / 1e9)
+    if total > ONLINE_ADVICE_BYTES:
+        log.warning("a feature cache of %.0f GB: if that is more than the disk should hold, "
+                    "data.features=online computes the target's hidden states in each training "
+                    "step instead (no cache on disk; slower, see README)", total / 1e9)
     if remaining > free:
         raise FeatureCacheError(
             f"the feature cache {out} needs {remaining / 1e9:.2f} GB more but its disk has "
@@ -316,8 +327,10 @@ class FeatureDataset(torch.utils.data.Dataset):
         j = idx - int(self._starts[k])
         a, b = int(self._offsets[k][j]), int(self._offsets[k][j + 1])
         item = {"input_ids": f.get_slice("input_ids")[a:b].long(),
-                "loss_mask": f.get_slice("loss_mask")[a:b],
-                "hidden": f.get_slice("hidden")[a:b]}
+                "loss_mask": f.get_slice("loss_mask")[a:b]}
+        if self.manifest.get("online"):
+            return item  # tokens only: OnlineFeatures adds the hidden states per batch
+        item["hidden"] = f.get_slice("hidden")[a:b]
         if self.layers:
             final = self.identity.num_layers
             item["layers"] = torch.stack([item["hidden"] if i == final
@@ -342,6 +355,62 @@ class FeatureDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = {}
         return state
+
+
+class OnlineFeatures(torch.utils.data.Dataset):
+    """A tokens-only cache whose hidden states the target computes per batch, in
+    :meth:`collate` (``data.features=online``): for caches too large for the disk.
+
+    The features are those :func:`build_feature_cache` would store (the same forward and the same
+    cast to the cache dtype), computed for each batch as it is drawn; items and batches look like
+    :class:`FeatureDataset`'s.
+    """
+
+    def __init__(self, tokens: FeatureDataset, model: torch.nn.Module) -> None:
+        if not tokens.manifest.get("online"):
+            raise FeatureCacheError(f"{tokens.dir} is an offline feature cache; open it with "
+                                    "FeatureDataset (or rebuild with data.features=online)")
+        self.tokens, self.model = tokens, model
+        self.layers, self.manifest, self.dir = tokens.layers, tokens.manifest, tokens.dir
+        self.dtype = DTYPES[tokens.manifest["dtype"]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        return self.tokens[idx]
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        return self.tokens.token_counts(vocab_size)
+
+    @torch.no_grad()
+    def collate(self, batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Run the target on the batch, then :func:`collate_features`."""
+        final = self.model.config.num_hidden_layers
+        pad_id = getattr(self.model.config, "pad_token_id", None) or 0
+        rows = [{"input_ids": x["input_ids"].tolist()} for x in batch]
+        feats = _forward(self.model, rows, self.layers, self.dtype, pad_id)
+        items = []
+        for x, f in zip(batch, feats):
+            item = {**x, "hidden": f["hidden"]}
+            if self.layers:
+                item["layers"] = torch.stack([f["hidden"] if i == final else f[f"layer_{i}"]
+                                              for i in self.layers])
+            items.append(item)
+        return collate_features(items)
+
+
+def open_features(cache_dir: str | Path, model: torch.nn.Module | None = None
+                  ) -> FeatureDataset | OnlineFeatures:
+    """The dataset of a cache: :class:`FeatureDataset`, or :class:`OnlineFeatures` over the
+    target ``model`` for a tokens-only (online) cache."""
+    ds = FeatureDataset(cache_dir)
+    if not ds.manifest.get("online"):
+        return ds
+    if model is None:
+        raise FeatureCacheError(f"{cache_dir} stores tokens only (data.features=online): its "
+                                "hidden states need the target model")
+    return OnlineFeatures(ds, model)
 
 
 def collate_features(batch: Sequence[dict[str, torch.Tensor]], pad_id: int = 0

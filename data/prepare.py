@@ -20,6 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
                    "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None},
     "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256},
+    "features": "offline",
 }
 
 
@@ -86,6 +87,11 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     c = resolve_data_config(cfg_data)
     all_layers = sorted({int(i) for i in list(c["cache"]["layers"]) + list(layers or [])})
     key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    if c["features"] not in ("offline", "online"):
+        raise ValueError(f"data.features={c['features']!r}: choose offline (hidden states cached "
+                         "on disk once) or online (computed by the target in every step)")
+    if c["features"] == "online":  # a tokens-only cache: offline caches keep their keys
+        key_src["features"] = "online"
     if key_src["regenerate"].get("max_replies") is None:  # caches made before the option keep
         key_src["regenerate"] = {k: v for k, v in key_src["regenerate"].items()  # their keys
                                  if k != "max_replies"}
@@ -135,7 +141,8 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
         man = build_feature_cache(target, rows, cache_dir, layers=all_layers,
                                   dtype=c["cache"]["dtype"], batch_size=c["cache"]["batch_size"],
                                   shard_size=c["cache"]["shard_size"], progress=rank == 0,
-                                  ranks=(rank, world, barrier) if world > 1 else None)
+                                  ranks=(rank, world, barrier) if world > 1 else None,
+                                  online=c["features"] == "online")
         report[split] = {"tokenize": tok_rep.to_dict(), "sequences": man["sequences"],
                          "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"]}
     if rank == 0:

@@ -98,6 +98,8 @@ def bench_training(cfg: DictConfig, gemm: dict[str, float]) -> list[dict]:
     """Each variant for ``cfg.steps`` steps; rates, FLOPs, MFU and ratios to the baseline."""
     rows = []
     for v in cfg.variants:
+        if cfg.get("only") and v.name not in cfg.only:
+            continue
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{v.name}-") as tmp:
             cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"out_dir={tmp}",
                    "logging=none", f"train.max_steps={int(cfg.steps)}",

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.features import FeatureDataset, teacher_logits
+from data.features import open_features, teacher_logits
 from train import checkpoint as ckpt
 from train.config import (
     MIXED_PRECISION,
@@ -127,8 +127,8 @@ class DistillRecipe:
         layers = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
         train_dir, val_dir, self.data_report = prepare_data(
             cfg.data, self.target, layers=layers, ranks=ranks)
-        self.train_set = FeatureDataset(train_dir)
-        self.val_set = FeatureDataset(val_dir)
+        self.train_set, self.val_set = (open_features(d, self.target.model)
+                                        for d in (train_dir, val_dir))
         if len(self.train_set) < cfg.train.micro_batch_size * acc.num_processes:
             raise ConfigError(
                 f"the training split has {len(self.train_set)} sequences, fewer than one global "

@@ -202,8 +202,9 @@ def make_epoch_loader(dataset, batch_size: int, seed: int, epoch: int, shuffle: 
         order = list(range(n))
     # An own generator: creating the iterator then draws no number from the global RNG, whose
     # stream (feature noise) must continue exactly across a checkpoint and resume.
+    collate = getattr(dataset, "collate", collate_features)  # online features: the target's
     loader = DataLoader(Subset(dataset, order), batch_size=batch_size, shuffle=False,
-                        collate_fn=collate_features, drop_last=drop_last,
+                        collate_fn=collate, drop_last=drop_last,
                         generator=torch.Generator().manual_seed(seed + epoch))
     # The module-level helpers shard without registering the loader with the Accelerator, so
     # checkpoints hold no per-loader sampler state (the data position is ours: epoch, batch).

@@ -130,3 +130,50 @@ def test_the_data_parallel_feature_cache_equals_the_one_process_cache(tmp_path):
 
         ma, mb = (json.loads((d / split / "manifest.json").read_text()) for d in (one, two))
         assert [s["tokens"] for s in ma["shards"]] == [s["tokens"] for s in mb["shards"]]
+
+
+@pytest.mark.parametrize("fuse", [None, "[1,2]"], ids=["eagle1", "fused-layers"])
+def test_online_features_give_the_losses_of_the_offline_cache(fuse, tmp_path, monkeypatch):
+    """data.features=online: a tokens-only cache (5 bytes per token) and the target's hidden
+    states computed per batch; the same losses step by step as training from the offline cache,
+    and the same weights."""
+    import json
+
+    from safetensors import safe_open
+
+    from tests.train.launching import run_inprocess
+
+    common = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=4",
+                     "train.eval_every=4", "train.save_every=4", "seed=4"]
+    common += [f"draft.config.fuse_layers={fuse}"] if fuse else []
+    runs = {}
+    for mode in ("offline", "online"):
+        out = tmp_path / mode
+        run_inprocess(common + [f"data.features={mode}", f"data.cache.dir={tmp_path / 'c'}",
+                                f"out_dir={out}"])
+        runs[mode] = [r["loss"] for r in map(json.loads, (out / "train_log.jsonl").read_text()
+                                             .splitlines()) if "loss" in r]
+    assert len(runs["online"]) == 4 and runs["online"] == pytest.approx(runs["offline"],
+                                                                        rel=1e-3)
+    assert_same(weights(tmp_path / "online"), weights(tmp_path / "offline"), atol=1e-4)
+    caches = {json.loads((d / "train" / "manifest.json").read_text())["online"]: d
+              for d in (tmp_path / "c").iterdir()}
+    assert set(caches) == {False, True}  # two caches: the online one holds tokens only
+    man = json.loads((caches[True] / "train" / "manifest.json").read_text())
+    assert man["bytes_per_token"] == 5
+    with safe_open(str(caches[True] / "train" / man["shards"][0]["file"]), "pt") as f:
+        assert sorted(f.keys()) == ["input_ids", "loss_mask", "offsets"]
+    # twin: online features one position late (the hidden state of the previous token) miss
+    from data import features
+
+    forward = features._forward
+
+    def late(*args):
+        return [{k: v.roll(1, 0) for k, v in f.items()} for f in forward(*args)]
+
+    monkeypatch.setattr(features, "_forward", late)
+    run_inprocess(common + ["data.features=online", f"data.cache.dir={tmp_path / 'c'}",
+                            f"out_dir={tmp_path / 'late'}"])
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "late" / "train_log.jsonl")
+                                     .read_text().splitlines()) if "loss" in r]
+    assert losses != pytest.approx(runs["offline"], rel=1e-3)
