@@ -16,6 +16,7 @@ registries as lazily resolved names.
 """
 from __future__ import annotations
 
+import abc
 import enum
 import logging
 from collections.abc import Callable, Mapping
@@ -42,7 +43,7 @@ class HeadStateError(ValueError):
     """Stored tensors do not fit the head that the package's config describes."""
 
 
-class DraftFamily:
+class DraftFamily(abc.ABC):
     """One draft family. Subclasses set the class attributes and override the hooks they need.
 
     Attributes:
@@ -73,10 +74,10 @@ class DraftFamily:
         """The head config from ``draft.config`` values (``_target_`` already removed)."""
         return self.config_class(**raw)
 
+    @abc.abstractmethod
     def build(self, head_config: Any, target_model: nn.Module,
               token_counts: Tensor | None = None) -> nn.Module:
         """A fresh trainable module for ``target_model`` (frozen parts taken from it)."""
-        raise NotImplementedError
 
     def needs_token_counts(self, head_config: Any) -> bool:
         """Whether :meth:`build` needs the training split's token counts."""
@@ -123,10 +124,10 @@ class DraftFamily:
         """The target's model config as far as the module holds it (None: it holds none)."""
         return None
 
+    @abc.abstractmethod
     def empty_head(self, head_config: Any, identity: Mapping[str, Any], target_config: Any,
                    target_model: nn.Module | None) -> nn.Module:
         """An untrained head of the stored shapes, frozen parts attached from ``target_model``."""
-        raise NotImplementedError
 
     def save(self, module: nn.Module, head_config: Any, folder, tokenizer: Any = None) -> None:
         """Write the module's weights into ``folder``."""
@@ -195,6 +196,13 @@ class DraftLMFamily(DraftFamily):
 
     def build(self, head_config, target_model, token_counts=None):
         return draft_lm.build_draft_lm(head_config, target_model)
+
+    def empty_head(self, head_config, identity, target_config, target_model):
+        from transformers import LlamaForCausalLM
+
+        if target_config is None:
+            raise ValueError("a draft LM's shapes come from the target's config: pass target=")
+        return LlamaForCausalLM(draft_lm.draft_llama_config(head_config, target_config))
 
     def for_training(self, module, draft_cfg):
         lora = draft_cfg.get("lora")

@@ -273,3 +273,23 @@ def test_num_positions_and_default_position_weights_per_family():
     assert eagle.default_position_weights(e_cfg, 3) == pytest.approx([1.0, 0.8, 0.64])
     assert medusa.max_draft_length(m_cfg) == 3 and medusa.default_draft_length(m_cfg) == 3
     assert lm.max_draft_length(lm_cfg) is None and lm.default_draft_length(lm_cfg) == 3
+
+
+def test_every_family_builds_an_empty_head_of_the_trained_shapes():
+    """``empty_head`` (what a package's weights are loaded into) has the shapes ``build`` makes;
+    the base class declares both abstract, so a family without them cannot be created."""
+    from heads.draft_lm import DraftLMConfig
+    from heads.eagle import EagleConfig
+    from heads.family import DraftFamily, get_family
+    from heads.medusa import MedusaConfig
+
+    target = make_tiny_target()
+    tc = target.model.config
+    for kind, cfg in (("lm", DraftLMConfig.matching(tc, num_layers=1)), ("eagle", EagleConfig()),
+                      ("medusa", MedusaConfig(num_heads=2, num_layers=1))):
+        family = get_family(kind)
+        built = family.build(cfg, target.model).state_dict()
+        empty = family.empty_head(cfg, target.identity.to_dict(), tc, target.model).state_dict()
+        assert {k: v.shape for k, v in empty.items()} == {k: v.shape for k, v in built.items()}
+    with pytest.raises(TypeError, match="abstract"):
+        DraftFamily()
