@@ -124,16 +124,19 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
             raise ValueError(f"the {split} split is empty; use more data (data.num_conversations) "
                              f"or a larger data.split.{split}")
         if regen["enabled"]:
-            for turn in (0, 1):  # rank 0 generates; the others then read its finished file
-                if (rank == 0) == (turn == 0):
-                    part = regenerate_conversations(
-                        part, target, root / f"regenerated-{split}.jsonl",
-                        temperature=regen["temperature"],
-                        max_new_tokens=regen["max_new_tokens"], batch_size=regen["batch_size"],
-                        max_prompt_tokens=regen["max_prompt_tokens"],
-                        max_replies=regen["max_replies"], progress=rank == 0)
-                if turn == 0 and world > 1:
-                    barrier()
+            def regenerated(convs, path=root / f"regenerated-{split}.jsonl"):
+                return regenerate_conversations(
+                    convs, target, path,
+                    temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
+                    batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
+                    max_replies=regen["max_replies"], progress=rank == 0)
+
+            if rank == 0:  # rank 0 generates; the others then read its finished file
+                part = regenerated(part)
+            if world > 1:
+                barrier()
+            if rank != 0:
+                part = regenerated(part)
         ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
         if len(ds) == 0:
             raise ValueError(f"no {split} conversation has assistant tokens after tokenization")

@@ -140,14 +140,11 @@ def long_barrier(acc, timeout_s: float) -> None:
 @contextmanager
 def main_process_first(acc, timeout_s: float):
     """``Accelerator.main_process_first`` through :func:`long_barrier`."""
-    def barrier() -> None:
-        long_barrier(acc, timeout_s)
-
     if not acc.is_main_process:
-        barrier()
+        long_barrier(acc, timeout_s)
     yield
     if acc.is_main_process:
-        barrier()
+        long_barrier(acc, timeout_s)
 
 
 def rank_placement(acc) -> list[dict]:
