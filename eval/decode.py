@@ -73,6 +73,13 @@ def _validate(cfg: DictConfig) -> None:
     if budget is not None and number("time_budget_s", budget, "seconds > 0 or null") <= 0:
         raise ValueError(f"time_budget_s must be > 0 or null (no budget), got {budget}")
     check_prompt_set(cfg.prompts)
+    batch = integer("batch_size", cfg.get("batch_size", 1), "an integer >= 1")
+    if batch < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch}")
+    if batch > 1 and str(cfg.tree) == "tree":
+        raise ValueError("batch_size > 1 decodes chains: use tree=chain (or auto)")
+    if batch > 1 and cfg.get("time_budget_s") is not None:
+        raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
     if baseline_proposer(cfg.draft) is None and not Path(str(cfg.draft)).expanduser().is_dir():
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
                          "draft package or export folder, none (plain decoding) or lookup "
@@ -88,6 +95,9 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
     """
     _validate(cfg)
+    batch_size = int(cfg.get("batch_size") or 1)
+    if batch_size > 1:
+        cfg.tree = "chain"  # auto: batches decode chains
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer
@@ -103,16 +113,19 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     elif proposer.kind != "plain":
         k, k_source = resolve_k(cfg.k, None)
     plain = proposer.kind == "plain"
-    dec = session.decoder(model, proposer, records, k=k, k_max=cfg.k_max,
-                          adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback),
-                          acceptance=cfg.acceptance)
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
     tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
-    # plain with baseline=true: plain against plain through the same paired path (~1.0x: a
-    # check of the measurement itself); plain without a baseline is 1.0x by definition
-    res = session.paired(dec, model, records, sampling, eos, baseline=bool(cfg.baseline),
-                         noise_tolerance=tolerance)
+    if batch_size > 1:
+        dec, res = _decode_batches(cfg, model, proposer, k, records, sampling, eos, tolerance)
+    else:
+        dec = session.decoder(model, proposer, records, k=k, k_max=cfg.k_max,
+                              adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback),
+                              acceptance=cfg.acceptance)
+        # plain with baseline=true: plain against plain through the same paired path (~1.0x:
+        # a check of the measurement itself); plain without a baseline is 1.0x by definition
+        res = session.paired(dec, model, records, sampling, eos, baseline=bool(cfg.baseline),
+                             noise_tolerance=tolerance)
     samples, stats = res.samples, res.stats
     measured = res.baseline_tokens_per_s is not None
     base_tps = res.baseline_tokens_per_s if measured or not plain else stats.tokens_per_s
@@ -134,13 +147,30 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                "device": str(dec.target.device), "dtype": cfg.dtype,
                "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),
                "top_p": float(cfg.top_p), "prompts": str(cfg.prompts), "limit": cfg.limit,
-               "max_new_tokens": int(cfg.max_new_tokens), "n_samples": len(samples)}
+               "max_new_tokens": int(cfg.max_new_tokens), "n_samples": len(samples),
+               "batch_size": batch_size}
     result = {"summary": summary, "samples": samples}
     if cfg.out:
         out = Path(str(cfg.out)).expanduser()
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, records: list,
+                    sampling: Any, eos: Any, tolerance: float) -> tuple[Any, Any]:
+    """``batch_size > 1``: :class:`~eval.batch.BatchDecoder` (fixed K, per-row fallback) and
+    plain batched decoding, paired per batch (:func:`eval.session.paired_batches`)."""
+    from eval.batch import BatchDecoder
+
+    if cfg.acceptance != "lossless":
+        raise ValueError("batch_size > 1 verifies losslessly: use acceptance=lossless")
+    dec = BatchDecoder(model, proposer, k=k, fallback=bool(cfg.fallback))
+    plain = BatchDecoder(model, PlainProposer(), k=0) if cfg.baseline else None
+    for d in (dec, plain) if plain is not None else (dec,):  # warm-up
+        d.generate([records[0]["prompt_ids"]], 2, seed=0)
+    return dec, session.paired_batches(dec, plain, records, sampling, eos, int(cfg.batch_size),
+                                       tolerance)
 
 
 def print_summary(summary: Mapping[str, Any]) -> None:

@@ -81,7 +81,6 @@ class Measured:
     chain_speedup: float | None  # decoding at K* against plain decoding
     tree: MeasuredTree | None
     draft_vocab: int | None  # the fastest draft vocabulary size (None: the whole vocabulary)
-
     @classmethod
     def of(cls, speculation: Mapping | None, dtype: str | None = None,
            device: str | None = None) -> tuple[Measured | None, str]:
@@ -116,6 +115,23 @@ class Measured:
             return None
         return self.tree.speedup is not None and (self.chain_speedup is None
                                                   or self.tree.speedup > self.chain_speedup)
+
+
+def batch_k(speculation: Mapping | None, batch_size: int, dtype: str | None = None,
+            device: str | None = None) -> tuple[int, str] | None:
+    """K for decoding ``batch_size`` rows from ``speculation.json["batch"]``
+    (``scripts/bench_batch.py``): K* of the largest measured batch size up to ``batch_size``,
+    and the source; None when nothing was measured for this dtype and device type."""
+    rec = (speculation or {}).get("batch") or {}
+    if dtype is not None and rec.get("dtype") not in (None, dtype):
+        return None
+    if device is not None and torch.device(str(rec.get("device", "cpu"))).type != torch.device(
+            device).type:
+        return None
+    sizes = [int(b) for b in rec.get("k_star") or {} if int(b) <= batch_size]
+    if not sizes:
+        return None
+    return int(rec["k_star"][str(max(sizes))]), f"speculation.json (batch {max(sizes)})"
 
 
 def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
@@ -171,6 +187,10 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
                        "speculation.json (tree)")
         if m.k_star == 0 and (m.tree.speedup or 0.0) < 1.0:
             k, k_source = 0, f"speculation.json (K* = 0, best tree {m.tree.speedup or 0.0:.2f}x)"
+    batch_size = int(cfg.get("batch_size") or 1)
+    measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
+    if measured_k is not None and cfg.get("k") is None and not use_tree:
+        k, k_source = measured_k
     size = cfg.get("draft_vocab")
     if family.draft_vocab and size is None:
         size = m.draft_vocab if m is not None else None
@@ -235,6 +255,12 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
                    device: str = "cpu", dtype: str = "float32") -> Any:
     """The family's proposer for ``pkg`` drafting as ``settings`` say (module moved to
     ``device`` and ``dtype``)."""
-    module = pkg.module.to(device=device, dtype=getattr(torch, dtype)).eval()
+    if pkg.info.get("quantization"):  # int8 matmuls take float32 inputs, on the CPU only
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"{pkg.path} is an int8 draft (scripts/quantize.py): its kernels "
+                             f"run on the CPU only, not on {device}; decode its source package")
+        module = pkg.module.eval()
+    else:
+        module = pkg.module.to(device=device, dtype=getattr(torch, dtype)).eval()
     ids = draft_vocab_ids(settings.draft_vocab, pkg, loaded_target, vocab_size)
     return proposer_class(pkg.family).for_draft(module, pkg.head_config, vocab_size, settings, ids)

@@ -229,9 +229,25 @@ class Proposer:
                target_out: TargetOutput) -> None:
         """Roll the proposer's state forward to the committed sequence."""
 
+    def batched(self) -> Any:
+        """The batched drafter of :mod:`eval.batch` for this proposer (None: plain decoding).
+
+        Raises:
+            ValueError: this proposer has no batched drafter (or drafts trees).
+        """
+        raise ValueError(f"no batched drafter for the {self.kind!r} proposer: batch_size > 1 "
+                         "runs the draft LM, the EAGLE head or plain decoding")
+
+    def _no_batched_trees(self) -> None:
+        if getattr(self, "tree", False):
+            raise ValueError("batched decoding drafts chains: use tree=chain with batch_size > 1")
+
 
 class PlainProposer(Proposer):
     """K = 0: plain autoregressive decoding through the same loop."""
+
+    def batched(self) -> None:
+        return None
 
 
 class PromptLookupProposer(Proposer):
@@ -374,6 +390,12 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
 
     def _cached(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def batched(self) -> Any:
+        from eval.batch import BatchDraftLM
+
+        self._no_batched_trees()
+        return BatchDraftLM(self)
 
     def _forward(self, ids: Sequence[int], last_only: bool = False, **kwargs) -> torch.Tensor:
         """Feed ``ids`` after the cache; ``(T', V')`` logits over the drafted ids (the target

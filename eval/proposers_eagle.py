@@ -78,6 +78,12 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self._pending_feats: list[torch.Tensor] = []
         self._pending_tokens: list[int] = []
 
+    def batched(self) -> object:
+        from eval.batch import BatchEagle
+
+        self._no_batched_trees()
+        return BatchEagle(self)
+
     def _features(self, out: TargetOutput) -> torch.Tensor:
         """``(T, kH)`` features of the target output rows (final hidden, or fused layers)."""
         if not self.layer_ids:

@@ -11,6 +11,7 @@ per-prompt ratios, and ``noisy`` says when the machine's speed changed under a p
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,3 +266,64 @@ def paired_many(decs: Sequence[SpeculativeDecoder], model: torch.nn.Module | Non
     return [Paired(samples[j], DecodeStats.merge(parts[j]), plain_tps,
                    sum(same[j]) / len(same[j]) if greedy else None, ratios[j], drift,
                    float(noise_tolerance)) for j in range(n)]
+
+
+# ----------------------------------------------------------------------------- batches
+def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], sampling: Sampling,
+                   eos: Any, batch_size: int,
+                   noise_tolerance: float = NOISE_TOLERANCE) -> Paired:
+    """:func:`paired` for :class:`~eval.batch.BatchDecoder`: the records in batches of
+    ``batch_size`` (in order); per batch, plain batched decoding, ``dec``, plain again (one
+    generator per batch, seeded ``sampling.seed + first index``). A batch's ratio is its
+    tokens/s (all rows, over the batch's wall time) over the mean of its two plain runs; every
+    sample of the batch carries it, and ``speedup`` is the median over batches. ``plain``
+    None: no baseline (no ratios). A row's own stats time it from the batch's start to the
+    step it finished in, so their ``tokens_per_s`` is a row's rate, not the batch's."""
+    _check_tolerance(noise_tolerance)
+    samples, parts, ratios, drift, plain_parts, same = [], [], [], [], [], []
+
+    def run(d: Any, batch: Sequence[dict], seed: int) -> tuple[list, float]:
+        t0 = time.perf_counter()
+        res = d.generate([r["prompt_ids"] for r in batch], sampling.max_new_tokens,
+                         sampling.temperature, sampling.top_k, sampling.top_p,
+                         eos_token_id=eos, seed=seed)
+        wall = time.perf_counter() - t0
+        return res, sum(len(r.output_ids) for r in res) / wall if wall > 0 else 0.0
+
+    for start in range(0, len(records), batch_size):
+        batch = records[start:start + batch_size]
+        seed = sampling.seed + start
+        if plain is None:
+            res, _ = run(dec, batch, seed)
+            samples += [{**rec, "output_ids": r.output_ids, "tau": r.stats.tau,
+                         "target_forwards": r.stats.target_forwards,
+                         "wall_time_s": r.stats.wall_time_s, "batch": start // batch_size}
+                        for rec, r in zip(batch, res)]
+            parts += [r.stats for r in res]
+            continue
+        before, a = run(plain, batch, seed)
+        res, tps = run(dec, batch, seed)
+        after, b = run(plain, batch, seed)
+        base = (a + b) / 2
+        drift.append(abs(a - b) / base if base > 0 else 0.0)
+        ratio = tps / base if base > 0 else None
+        if ratio is not None:
+            ratios.append(ratio)
+        plain_parts += [r.stats for r in before + after]
+        for rec, r, pb, pa in zip(batch, res, before, after):
+            same.append(r.output_ids == pb.output_ids)
+            samples.append({**rec, "output_ids": r.output_ids, "tau": r.stats.tau,
+                            "target_forwards": r.stats.target_forwards,
+                            "wall_time_s": r.stats.wall_time_s,
+                            "plain_wall_time_s": [pb.stats.wall_time_s, pa.stats.wall_time_s],
+                            "plain_tokens": [pb.stats.tokens_generated,
+                                             pa.stats.tokens_generated],
+                            "speedup": ratio, "batch": start // batch_size})
+            parts.append(r.stats)
+    if plain is None:
+        return Paired(samples, DecodeStats.merge(parts), None, None,
+                      noise_tolerance=float(noise_tolerance))
+    greedy = sampling.temperature == 0.0 and bool(records)
+    return Paired(samples, DecodeStats.merge(parts), DecodeStats.merge(plain_parts).tokens_per_s,
+                  sum(same) / len(same) if greedy else None, ratios, drift,
+                  float(noise_tolerance))

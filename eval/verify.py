@@ -101,8 +101,8 @@ def _accept(r_x: torch.Tensor, q_x: torch.Tensor,
 
 
 def verify_chain_batch(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                       generator: torch.Generator | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator | None = None,
+                       lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless chain verification for a batch of independent chains.
 
     Args:
@@ -111,6 +111,9 @@ def verify_chain_batch(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
         q: ``(B, K, V)`` draft distributions the drafts were sampled from.
         draft: ``(B, K)`` draft token ids.
         generator: random generator (used even at temperature 0, where results are deterministic).
+        lengths: ``(B,)`` drafts per chain (default ``K`` for all): chain ``b`` is
+            ``draft[b, :lengths[b]]``, its bonus distribution ``p[b, lengths[b]]``, and what
+            follows is padding (never accepted).
 
     Returns:
         ``n_accepted (B,)`` long and ``next_token (B,)`` long (residual sample or bonus token).
@@ -127,6 +130,10 @@ def verify_chain_batch(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     p_x = p[:, :k].gather(-1, idx).squeeze(-1)  # (B, K)
     q_x = q.gather(-1, idx).squeeze(-1)  # (B, K)
     accepted = _accept(p_x, q_x, generator)  # (B, K)
+    if lengths is not None:  # padding is rejected, and q = 0 there: the bonus row is p itself
+        real = torch.arange(k, device=p.device) < lengths.to(p.device).unsqueeze(-1)  # (B, K)
+        accepted &= real
+        q = q * real.unsqueeze(-1)
     n = accepted.long().cumprod(-1).sum(-1)  # (B,) length of the accepted prefix
     q_ext = torch.cat([q, q.new_zeros(b, 1, v)], dim=1)  # (B, K+1, V); q = 0 at the bonus row
     rows = torch.arange(b, device=p.device)

@@ -241,7 +241,7 @@ class EagleHead(nn.Module):
             raise ValueError(f"features {tuple(features.shape)} and input_ids {(bsz, seq)} "
                              "disagree on (B, T)")
         h = self.hidden_size
-        dtype = self.fc.weight.dtype
+        dtype = self.embed_tokens.weight.dtype  # (not fc.weight: an int8 fc has none)
         features = features.to(dtype)
         emb = self.embed_tokens(input_ids).to(dtype)  # (B, T, H)
         width = features.shape[-1]

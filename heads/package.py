@@ -288,6 +288,32 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
     return out
 
 
+def derive_package(src: Path, dst: Path, leave_out: tuple[str, ...] = (),
+                   write: Any = None) -> Path:
+    """Write ``dst``, a signed copy of the package ``src`` with changes: every file but the
+    manifest, the signature and ``leave_out`` copied, then ``write(tmp)`` adds or replaces
+    files, then a new manifest (the old one's metadata kept) and signature (the local key).
+    Atomic, like :func:`save_package`; returns ``dst``."""
+    tmp = fresh_tmp_dir(dst)
+    try:
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            rel = f.relative_to(src).as_posix()
+            if rel in (MANIFEST, SIGNATURE, *leave_out):
+                continue
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, tmp / rel)
+        if write is not None:
+            write(tmp)
+        old = json.loads((src / MANIFEST).read_text())
+        write_manifest(tmp, {k: v for k, v in old.items() if k not in ("files", "signer")})
+        sign_folder(tmp)
+        publish_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
 def _json_name(name: str) -> str:
     if "/" in name or "\\" in name or name.startswith(".") or name in (MANIFEST, PACKAGE_JSON):
         raise ValueError(f"extra_json name {name!r} is reserved or not a plain file name")
@@ -378,6 +404,13 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
     family = get_family(kind)
     cfg = family.config_class.from_dict(info["head_config"])
     module = load_module(family, root, cfg, info, target)
+    quant = info.get("quantization")
+    if quant:  # an int8 copy (scripts/quantize.py): the int8 weights are made from the stored ones
+        from heads.quantize import quantize
+        try:
+            quantize(module, quant.get("scheme"), list(quant.get("modules") or []))
+        except ValueError as e:
+            raise PackageIntegrityError(root, [f"{PACKAGE_JSON} quantization: {e}"]) from e
     module.eval()
     listed_spec = listed(manifest, SPECULATION) and (root / SPECULATION).is_file()
     speculation = json.loads((root / SPECULATION).read_text()) if listed_spec else None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,16 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heads.family import WEIGHTS, get_family
-from heads.package import (
-    MANIFEST,
-    PACKAGE_JSON,
-    SIGNATURE,
-    fresh_tmp_dir,
-    publish_dir,
-    sign_folder,
-    verify_folder,
-    write_manifest,
-)
+from heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,34 +47,20 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
     if get_family(info["draft_kind"]).hf_model:
         raise ValueError("release.py handles head packages (eagle, medusa); a draft LM package is "
                          "a transformers folder: save it with save_pretrained(torch_dtype=...)")
-    tmp = fresh_tmp_dir(dst)
-    try:
-        for f in sorted(p for p in src.rglob("*") if p.is_file()):
-            rel = f.relative_to(src)
-            if rel.as_posix() in (MANIFEST, SIGNATURE):  # written anew below
-                continue
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            if rel.as_posix() == WEIGHTS:
-                state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
-                         for k, v in load_file(str(f)).items()}
-                save_file(state, str(tmp / rel), metadata={"format": "pt",
-                                                           "draft_kind": info["draft_kind"]})
-            else:
-                shutil.copy2(f, tmp / rel)
+
+    def write(tmp: Path) -> None:
+        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
+                 for k, v in load_file(str(src / WEIGHTS)).items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt",
+                                                      "draft_kind": info["draft_kind"]})
         source_manifest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
         record = {"source_package": str(draft), "source_manifest_sha256": source_manifest,
                   "weights_dtype": dtype, "command": command,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                       timespec="seconds")}
         (tmp / "release.json").write_text(json.dumps(record, indent=2))
-        old = json.loads((src / MANIFEST).read_text())
-        write_manifest(tmp, {k: v for k, v in old.items() if k not in ("files", "signer")})
-        sign_folder(tmp)
-        publish_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+
+    return derive_package(src, dst, (WEIGHTS,), write)
 
 
 def main(argv: list[str]) -> None:

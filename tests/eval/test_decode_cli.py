@@ -292,3 +292,35 @@ def test_bad_draft_vocab_values_are_refused(decode_setup):
         _decode(decode_setup, pkg, "limit=1", "draft_vocab=40")
 
 
+
+
+@pytest.mark.parametrize("kind", ["lm", "eagle"])
+def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, tmp_path, kind):
+    import shutil
+
+    path, _ = draft_package(decode_setup, kind)
+    alone = _decode(decode_setup, path, "k=3", "limit=3", "adaptive_k=false", "fallback=false",
+                    "tree=chain")
+    batched = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false")
+    assert batched["summary"]["batch_size"] == 2 and batched["summary"]["speedup"] > 0
+    assert [s["output_ids"] for s in batched["samples"]] == [
+        s["output_ids"] for s in alone["samples"]]
+    assert [s["batch"] for s in batched["samples"]] == [0, 0, 1]
+    assert batched["summary"]["tree"] is False and batched["summary"]["matches_baseline"] == 1.0
+    # a measured batch record gives K per batch size (the largest measured size up to B)
+    pkg = tmp_path / kind
+    shutil.copytree(path, pkg)
+    update_package_json(pkg, "speculation.json", {
+        "k_star": 3, "dtype": "float32", "hardware": {"device": "cpu"},
+        "batch": {"k_star": {"1": 3, "2": 2, "4": 1}}})
+    got = _decode(decode_setup, pkg, "limit=3", "batch_size=3")["summary"]
+    assert (got["k"], got["k_source"]) == (2, "speculation.json (batch 2)")
+
+
+def test_bad_batch_settings_are_refused(decode_setup):
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        _decode(decode_setup, decode_setup["lm"], "batch_size=0")
+    with pytest.raises(ValueError, match="tree=chain"):
+        _decode(decode_setup, decode_setup["lm"], "batch_size=2", "tree=tree")
+    with pytest.raises(ValueError, match="time_budget_s is per request"):
+        _decode(decode_setup, decode_setup["lm"], "batch_size=2", "time_budget_s=5")

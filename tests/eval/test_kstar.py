@@ -84,7 +84,7 @@ def test_controller_shrinks_k_for_poor_acceptance_and_grows_for_good():
 
 def test_controller_falls_back_and_probes():
     ctl = KController(k=2, k_max=4, adaptive=False, probe_every=5)
-    for _ in range(3):
+    for _ in range(4):
         assert ctl.next_k() == 2
         ctl.record(depth=2, nodes=2, accepted=0, tokens=1, t_draft=0.02, t_verify=0.05)
     assert [ctl.next_k() for _ in range(6)] == [0, 0, 0, 0, 0, 2]
@@ -92,7 +92,7 @@ def test_controller_falls_back_and_probes():
     lose = {"depth": 2, "nodes": 2, "accepted": 0, "tokens": 1, "t_draft": 0.02, "t_verify": 0.05}
     pay = {"depth": 2, "nodes": 2, "accepted": 2, "tokens": 3, "t_draft": 0.002, "t_verify": 0.055}
     ctl = KController(k=2, k_max=4, adaptive=False, probe_every=5, max_backoff=2)
-    for _ in range(3):
+    for _ in range(4):
         ctl.record(**lose)
     stretches = []
     for _ in range(4):

@@ -218,3 +218,18 @@ def test_typical_acceptance_is_marked_lossy():
     p[2] = onehot(5)[0]
     res = verify_tree_typical(p, tokens, TREE_PARENTS, generator=gen(0))
     assert res.path == [1, 4] and res.next_token in range(V)
+
+
+def test_chain_batch_lengths_cut_each_chain_and_take_its_bonus_row():
+    # q = p: every real draft is accepted; padding never is, and the next token comes from the
+    # bonus row p[b, lengths[b]] (one-hot here, so it is known)
+    b, k, v = 3, 4, 6
+    p = torch.softmax(torch.randn(b, k + 1, v, generator=torch.Generator().manual_seed(0)), -1)
+    bonus = torch.tensor([5, 2, 4])
+    lengths = torch.tensor([0, 2, 4])
+    for i in range(b):
+        p[i, lengths[i]] = torch.nn.functional.one_hot(bonus[i], v).float()
+    draft = p[:, :k].argmax(-1)
+    q = p[:, :k].clone()
+    n, nxt = verify_chain_batch(p, q, draft, torch.Generator().manual_seed(1), lengths=lengths)
+    assert n.tolist() == [0, 2, 4] and nxt.tolist() == bonus.tolist()

@@ -1,0 +1,300 @@
+"""Throughput against batch size: plain batched decoding, transformers' batched ``generate`` and
+batched speculation with each draft at every K, in ONE run.
+
+    python scripts/bench_batch.py                      # the released EAGLE head
+    python scripts/bench_batch.py lm=outputs/lm_self/draft write=true
+
+For each batch size B the first B prompts decode together; per round the methods run back to
+back (plain, transformers, every draft at every K, plain again), ``repeats`` rounds, and a
+method's speedup is the median over rounds of its tokens/s (all rows' new tokens over the
+batch's wall time) over the mean of that round's two plain runs. K*(B) is the K of the best
+speedup, 0 when none beats plain decoding; the *crossover* is the smallest B with K* = 0.
+``write=true`` stores ``{"k_star": {B: K*}, "crossover": ..., "speedup": ...}`` as
+``speculation.json["batch"]`` of each draft package (re-signed with the local key), where
+``eval/decode.py batch_size=B`` reads its K.
+
+Heterogeneous rows: one batch of a well-drafted prompt and a row whose drafts are always wrong
+(every draft token shifted by one id: a useless draft for that row alone, at the same cost),
+against each good row decoded alone at the same K. Writes ``results.json``, ``results.md`` and
+``throughput.png`` under ``out_dir``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data.dtype import resolve_dtype
+from data.prompts import check_prompt_set
+from eval import decode, session
+from eval.batch import BatchDecoder
+from eval.checks import check_out_dir, check_sampling, integer
+from eval.draft import build_proposer, load_draft, settle
+from eval.kstar import environment
+from eval.proposers import PlainProposer
+from heads.family import FAMILIES
+
+
+def note(msg: str) -> None:
+    print(f"[bench-batch] {msg}", flush=True)
+
+
+def repo_path(p: str | Path) -> Path:
+    path = Path(str(p)).expanduser()
+    return path if path.is_absolute() else REPO / path
+
+
+class Hostile:
+    """Wraps a batched drafter: rows ``rows`` (of the batch as started) get every draft token
+    shifted by one id, wherever they are in the batch as rows leave it."""
+
+    def __init__(self, drafter: Any, rows: list[int], vocab: int) -> None:
+        self.inner, self.rows, self.vocab = drafter, set(rows), vocab
+        self.live: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def start(self, tokens: list[list[int]], *args: Any) -> None:
+        self.live = list(range(len(tokens)))
+        self.inner.start(tokens, *args)
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.live = [self.live[i] for i in idx.tolist()]
+        self.inner.select(idx)
+
+    def propose(self, k: int, sampling: Any, generator: Any) -> tuple[torch.Tensor, Any]:
+        drafts, q = self.inner.propose(k, sampling, generator)
+        at = [i for i, r in enumerate(self.live) if r in self.rows]
+        drafts = drafts.clone()
+        drafts[at] = (drafts[at] + 1) % self.vocab
+        return drafts, q
+
+
+def hf_batched(model: Any, tok: Any, prompts: list[list[int]], max_new: int,
+               eos: Any) -> int:
+    """transformers ``generate`` on the batch (left padding, greedy); new tokens up to each
+    row's EOS."""
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                         max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=pad)[:, width:]
+    ends = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    total = 0
+    for row in out.tolist():
+        n = next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
+        total += n
+    return total
+
+
+def timed(fn: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def run(cfg: DictConfig) -> dict:
+    from data.target import load_target
+
+    questions = repo_path(cfg.questions)
+    check_prompt_set(questions)
+    sizes = [integer("batch_sizes", b, "integers >= 1") for b in cfg.batch_sizes]
+    ks = [integer("ks", k, "integers >= 1") for k in cfg.ks]
+    if min(sizes) < 1 or min(ks) < 1:
+        raise ValueError(f"batch_sizes and ks must be >= 1, got {sizes}, {ks}")
+    check_sampling(cfg.temperature)
+    drafts = {f: str(repo_path(cfg[f])) for f in FAMILIES if cfg.get(f)}  # lm=, eagle=
+    check_out_dir("out_dir", repo_path(cfg.out_dir), {"questions": questions, **{
+        f: Path(p) for f, p in drafts.items()}}, ("results.json", "results.md"))
+    t_start = time.perf_counter()
+    cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))
+    loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
+    model, tok = loaded.model.to(cfg.device).eval(), loaded.tokenizer
+    records = session.prompt_records(str(questions), tok, max(sizes))
+    eos = session.eos_ids(model)
+    max_new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
+    chain = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
+                            {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
+    proposers = {}
+    for fam, path in drafts.items():
+        pkg = load_draft(path, loaded)
+        proposers[fam] = build_proposer(pkg, settle(chain, pkg), loaded,
+                                        int(model.config.vocab_size), cfg.device, cfg.dtype)
+    plain = BatchDecoder(model, PlainProposer(), k=0)
+    decs = {(fam, k): BatchDecoder(model, p, k=k, fallback=False)
+            for fam, p in proposers.items() for k in ks}
+
+    def ours(dec: BatchDecoder, prompts: list[list[int]], seed: int) -> tuple[int, float]:
+        res, wall = timed(lambda: dec.generate(prompts, max_new, temp, eos_token_id=eos,
+                                               seed=seed))
+        return sum(len(r.output_ids) for r in res), wall
+
+    for d in (plain, *decs.values()):  # warm-up
+        d.generate([records[0]["prompt_ids"]], 2, seed=0)
+    rows = []
+    for b in sizes:
+        prompts = [r["prompt_ids"] for r in records[:b]]
+        tps: dict[str, list[float]] = {}
+        ratio: dict[str, list[float]] = {}
+        for rnd in range(int(cfg.repeats)):
+            note(f"batch {b}, round {rnd + 1}")
+            n, w = ours(plain, prompts, rnd)
+            base = [n / w]
+            got = {}
+            if cfg.hf_generate and temp == 0:
+                n_hf, w_hf = timed(lambda p=prompts: hf_batched(model, tok, p, max_new, eos))
+                got["transformers generate"] = n_hf / w_hf
+            for (fam, k), dec in decs.items():
+                n, w = ours(dec, prompts, rnd)
+                got[f"{fam} K={k}"] = n / w
+            n, w = ours(plain, prompts, rnd)
+            base.append(n / w)
+            mean = statistics.fmean(base)
+            tps.setdefault("plain", []).extend(base)
+            for m, v in got.items():
+                tps.setdefault(m, []).append(v)
+                ratio.setdefault(m, []).append(v / mean)
+        rows.append({"batch_size": b,
+                     "tokens_per_s": {m: statistics.median(v) for m, v in tps.items()},
+                     "speedup": {m: statistics.median(v) for m, v in ratio.items()}})
+    batch_records = {}
+    for fam in proposers:
+        k_star, speedup = {}, {}
+        for r in rows:
+            best = max(ks, key=lambda k: r["speedup"][f"{fam} K={k}"])
+            sp = r["speedup"][f"{fam} K={best}"]
+            k_star[str(r["batch_size"])] = best if sp > 1.0 else 0
+            speedup[str(r["batch_size"])] = sp
+        cross = next((int(b) for b, k in k_star.items() if k == 0), None)
+        batch_records[fam] = {"k_star": k_star, "speedup": speedup, "crossover": cross,
+                              "dtype": cfg.dtype, "device": str(cfg.device),
+                              "max_new_tokens": max_new, "temperature": temp,
+                              "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
+    # the hostile row shifts its drafts but not their q: lossless only for greedy rows
+    mixed = (bench_mixed(cfg, model, proposers, records, eos)
+             if cfg.mixed.enabled and temp == 0 else [])
+    res = {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows,
+           "batch": batch_records, "mixed": mixed, "target": loaded.identity.to_dict(),
+           "environment": environment(cfg.device), "bench_wall_s": time.perf_counter() - t_start,
+           "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
+    out = repo_path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, out / "results.md")
+    plot(res, out / "throughput.png")
+    if cfg.write:
+        from heads.package import update_package_json
+
+        for fam, path in drafts.items():
+            spec = json.loads((Path(path) / "speculation.json").read_text()) if (
+                Path(path) / "speculation.json").is_file() else {}
+            spec["batch"] = batch_records[fam]
+            update_package_json(path, "speculation.json", spec)
+            note(f"wrote the batch record into {path}/speculation.json")
+    return res
+
+
+def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict],
+                eos: Any) -> list[dict]:
+    """Good rows alone (batch of one each) against the same rows batched with a hostile row."""
+    good = [r["prompt_ids"] for r in records[: int(cfg.mixed.good_rows)]]
+    hostile = records[int(cfg.mixed.good_rows)]["prompt_ids"]
+    k = int(cfg.mixed.k)
+    out = []
+    for fam, proposer in proposers.items():
+        alone_dec = BatchDecoder(model, proposer, k=k, fallback=True)
+        mixed_dec = BatchDecoder(model, proposer, k=k, fallback=True)
+        mixed_dec.drafter = Hostile(mixed_dec.drafter, [len(good)],
+                                    int(model.config.vocab_size))
+        alone, mixed_rows, hostile_spec = [], [], []
+        for rnd in range(int(cfg.repeats)):
+            note(f"heterogeneous rows, {fam}, round {rnd + 1}")
+            alone.append([r.stats.tokens_per_s for p in good for r in alone_dec.generate(
+                [p], int(cfg.max_new_tokens), float(cfg.temperature), eos_token_id=eos,
+                seed=rnd)])
+            res = mixed_dec.generate([*good, hostile], int(cfg.max_new_tokens),
+                                     float(cfg.temperature), eos_token_id=eos, seed=rnd)
+            mixed_rows.append([r.stats.tokens_per_s for r in res[:len(good)]])
+            st = res[-1].stats
+            hostile_spec.append(st.spec_steps / max(st.spec_steps + st.plain_steps, 1))
+        per_row = [statistics.median(m[i] for m in mixed_rows) /
+                   statistics.median(a[i] for a in alone) for i in range(len(good))]
+        out.append({"draft": fam, "k": k, "good_rows": len(good),
+                    "good_rows_vs_alone": per_row, "worst": min(per_row),
+                    "hostile_speculative_step_share": statistics.median(hostile_spec)})
+    return out
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    env = res["environment"]
+    methods = list(res["rows"][0]["tokens_per_s"])
+    cfg = res["config"]
+    head = (f"`{res['command']}`; {env.get('hardware', {}).get('cpu', '')}, {cfg['dtype']}, "
+            f"{cfg['max_new_tokens']} new tokens per row, T = {cfg['temperature']}, "
+            f"{cfg['repeats']} rounds; {res['bench_wall_s']:.0f} s.")
+    lines = ["# Throughput against batch size", "", head, "",
+             "Tokens/s (all rows) and, in brackets, speedup over plain batched decoding:", "",
+             "| B | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for r in res["rows"]:
+        cells = [f"{r['tokens_per_s'][m]:.1f}" + (f" ({r['speedup'][m]:.2f}x)"
+                                                 if m in r["speedup"] else "") for m in methods]
+        lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+    for fam, rec in res["batch"].items():
+        cross = rec["crossover"] if rec["crossover"] is not None else "beyond the sizes run"
+        lines += ["", f"{fam}: K* per batch size {rec['k_star']}, crossover {cross}"]
+    for m in res["mixed"]:
+        lines += ["", f"Heterogeneous rows ({m['draft']}, K = {m['k']}): {m['good_rows']} good "
+                  "rows batched with one hostile row, each good row's tokens/s over its own "
+                  "batch-of-one decoding: " + ", ".join(f"{x:.2f}" for x in
+                                                        m["good_rows_vs_alone"])
+                  + f" (worst {m['worst']:.2f}); the hostile row speculated on "
+                  f"{m['hostile_speculative_step_share']:.0%} of its steps"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["batch_size"] for r in res["rows"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in res["rows"][0]["tokens_per_s"]:
+        a.plot(sizes, [r["tokens_per_s"][m] for r in res["rows"]], marker="o", label=m)
+        if m in res["rows"][0]["speedup"]:
+            b.plot(sizes, [r["speedup"][m] for r in res["rows"]], marker="o", label=m)
+    b.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax, title in ((a, "tokens/s (all rows)"), (b, "speedup over plain batched decoding")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@hydra.main(config_path="../conf/eval", config_name="bench_batch", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+    print((repo_path(cfg.out_dir) / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Make an INT8 copy of a draft package (``heads/quantize.py``: torch's dynamic int8 Linear).
+
+    python scripts/quantize.py draft=releases/eagle3-smollm2-135m out=outputs/eagle3-int8
+
+Every Linear of the draft is quantized but the LM head of a draft LM or of a full-vocabulary
+EAGLE head (a draft vocabulary cuts rows out of it); the copy records the scheme and the
+modules in ``draftsmith.json["quantization"]``, keeps the trained weights (the int8 ones are
+made from them at load, the same every time), drops ``speculation.json`` (its K* and costs were
+measured on the float draft: run ``eval/measure.py`` on the copy), and is signed anew with the
+local key. It loads like any package and decodes in float32 outside its int8 matmuls.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from heads.package import PACKAGE_JSON, SPECULATION, derive_package, load_package
+from heads.quantize import SCHEMES, record
+
+
+def quantize_package(draft: str | Path, out: str | Path, scheme: str = "int8") -> Path:
+    """Write the quantized copy ``out`` of the package ``draft``; returns ``out``."""
+    src, dst = Path(draft).resolve(), Path(out).resolve()
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r}: allowed {SCHEMES}")
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ValueError(f"out={out} is the package, inside it or above it; choose a folder "
+                         f"beside {draft}")
+    pkg = load_package(src)  # verified: manifest, signature, identity
+    if pkg.info.get("quantization"):
+        raise ValueError(f"draft={draft} is already quantized "
+                         f"({pkg.info['quantization']['scheme']})")
+    reduced = bool(getattr(pkg.module, "reduced", False))
+    skip = () if reduced else ("lm_head",)
+    info = json.loads((src / PACKAGE_JSON).read_text())
+    info["quantization"] = record(pkg.module, scheme, skip)
+
+    def write(tmp: Path) -> None:
+        (tmp / PACKAGE_JSON).write_text(json.dumps(info, indent=2))
+
+    # speculation.json left out: its K* and costs were measured on the float draft
+    return derive_package(src, dst, (SPECULATION, PACKAGE_JSON), write)
+
+
+def main(argv: list[str]) -> None:
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = set(args) - {"draft", "out", "scheme"}
+    if unknown or "draft" not in args or "out" not in args:
+        sys.exit(f"usage: python scripts/quantize.py draft=PKG out=DIR [scheme=int8]"
+                 f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
+    out = quantize_package(args["draft"], args["out"], args.get("scheme", "int8"))
+    n = len(json.loads((out / PACKAGE_JSON).read_text())["quantization"]["modules"])
+    print(f"quantized copy written to {out} ({n} Linear modules int8)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,161 @@
+"""Batched speculative decoding (eval/batch.py): every row of a batch decodes exactly as it
+would alone. Greedy rows equal batch-one decoding (and the target's own ``generate``) for plain
+decoding, the draft LM and the EAGLE head (fused layers and a draft vocabulary included);
+sampled rows of different prompts in one batch follow the target's distribution (chi-square),
+with a twin that applies one row's accepted count to another and fails."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eval.batch import BatchDecoder, SlotCache
+from eval.decoder import SpeculativeDecoder
+from eval.proposers import DraftLMProposer, PlainProposer
+from eval.proposers_eagle import EagleProposer
+from tests.conftest import randomize, tiny_llama
+from tests.eval.test_decoder import PROMPTS, VOCAB, hf_greedy
+from tests.eval.test_sampling_exact import (
+    DEEP_NEW,
+    DEEP_SETTINGS,
+    DEEP_V,
+    _binary_llama,
+    _deep_exact,
+    _deep_proposer,
+    chi_square_p,
+)
+
+BATCH_PROMPTS = [*PROMPTS, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(seed=0, vocab=VOCAB)
+
+
+def make(name: str, model):
+    from heads.eagle import EagleConfig, build_eagle
+
+    if name == "plain":
+        return PlainProposer()
+    if name == "lm":  # the target plus noise: long accepted prefixes and rejections
+        return DraftLMProposer(randomize(copy.deepcopy(model), seed=2), VOCAB)
+    if name == "lm-vocab":  # drafts over 40 of the 64 ids only
+        return DraftLMProposer(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB,
+                               vocab_ids=torch.arange(0, 64, 64 // 40)[:40])
+    torch.manual_seed(4)
+    fuse = [1, 2] if name == "eagle3" else None
+    head = build_eagle(EagleConfig(fuse_layers=fuse), model).eval()
+    return EagleProposer(head, VOCAB)
+
+
+@pytest.mark.parametrize("name", ["plain", "lm", "lm-vocab", "eagle", "eagle3"])
+def test_greedy_rows_equal_batch_one_decoding(target_model, name):
+    proposer = make(name, target_model)
+    single = SpeculativeDecoder(target_model, proposer, k=3, adaptive=False, fallback=False)
+    batch = BatchDecoder(target_model, proposer, k=3, fallback=False)
+    got = batch.generate(BATCH_PROMPTS, max_new_tokens=20)
+    for prompt, res in zip(BATCH_PROMPTS, got):
+        alone = single.generate(prompt, max_new_tokens=20)
+        assert res.output_ids == alone.output_ids == hf_greedy(target_model, prompt, 20, None)
+        assert res.stats.tokens_generated == 20 and res.stats.stop_reason == "max_new_tokens"
+        if name != "plain":  # the same drafts were accepted as alone, step by step
+            assert res.stats.accepted_at == alone.stats.accepted_at
+            assert res.stats.spec_steps == alone.stats.spec_steps
+
+
+def test_rows_finish_apart_and_leave_the_batch(target_model):
+    proposer = make("lm", target_model)
+    want = [hf_greedy(target_model, p, 30, None) for p in BATCH_PROMPTS]
+    eos = want[1][4]  # ends row 1 early; other rows may meet it later or never
+    got = BatchDecoder(target_model, proposer, k=4, fallback=False).generate(
+        BATCH_PROMPTS, max_new_tokens=30, eos_token_id=eos)
+    for res, full in zip(got, want):
+        cut = full[:full.index(eos) + 1] if eos in full else full
+        assert res.output_ids == cut
+        assert res.stats.stop_reason == ("eos" if eos in full else "max_new_tokens")
+    assert len(got[1].output_ids) <= 5 < max(len(r.output_ids) for r in got)
+
+
+def test_slot_cache_masks_positions_and_compaction():
+    slots = SlotCache(tiny_llama(seed=0, vocab=VOCAB).config, 2, torch.device("cpu"))
+    mask, pos = slots.open(torch.tensor([[True, True, True], [True, False, False]]))
+    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert mask[1, 0].tolist() == [[True, False, False], [True, True, False],
+                                   [True, False, True]]  # padding queries see themselves only
+    slots.keep(0, torch.tensor([2, 1]))  # row 0 keeps 2 of its 3 new slots
+    assert slots.lengths().tolist() == [2, 1]
+    mask, pos = slots.open(torch.tensor([[True], [True]]))
+    assert pos.tolist() == [[2], [1]]
+    assert mask[:, 0, 0].tolist() == [[True, True, False, True], [True, False, False, True]]
+
+
+def test_batched_decoding_compacts_without_changing_outputs(target_model):
+    # a draft that is always wrong at K = 6 leaves 6 invalid slots per step and row: the cache
+    # is compacted along the way, and the outputs stay the target's
+    proposer = DraftLMProposer(tiny_llama(seed=9, vocab=VOCAB, layers=1), VOCAB)
+    dec = BatchDecoder(target_model, proposer, k=6, fallback=False)
+    got = dec.generate(BATCH_PROMPTS, max_new_tokens=40)
+    for prompt, res in zip(BATCH_PROMPTS, got):
+        assert res.output_ids == hf_greedy(target_model, prompt, 40, None)
+    longest = max(len(p) for p in BATCH_PROMPTS) + 40
+    assert dec.target.slots.width <= 2 * longest + 16 + 7  # compacted (else ~40 * 7 slots)
+
+
+def test_chains_of_trees_are_refused(target_model):
+    tree = DraftLMProposer(copy.deepcopy(target_model), VOCAB, tree=True)
+    with pytest.raises(ValueError, match="tree=chain"):
+        BatchDecoder(target_model, tree)
+
+
+# ----- sampling: rows of different prompts in one batch, each from the target's distribution
+PROMPT_A, PROMPT_B = [1, 0, 1], [0, 0, 1, 1, 0]
+ROWS = 300  # per prompt, in batches of 2 * 50 rows (the prompts interleaved)
+
+
+def _batch_p_values(kind: str, setting: dict, swap_counts: bool = False) -> list[float]:
+    model = _binary_llama(seed=1)
+    dec = BatchDecoder(model, _deep_proposer(kind, model), k=3, fallback=False)
+    if swap_counts:  # the twin: each row is given its neighbour's accepted count
+        verify = dec._verify
+
+        def swapped(*args, **kw):
+            n, nxt = verify(*args, **kw)
+            return n.roll(1), nxt
+        dec._verify = swapped
+    g = torch.Generator().manual_seed(0)
+    outs: dict[int, list[int]] = {0: [], 1: []}
+    reached_3 = 0
+    for _ in range(ROWS // 50):
+        prompts = [PROMPT_A, PROMPT_B] * 50
+        for i, res in enumerate(dec.generate(prompts, max_new_tokens=DEEP_NEW, generator=g,
+                                             **setting)):
+            outs[i % 2].append(int("".join(map(str, res.output_ids[:DEEP_NEW])), DEEP_V))
+            reached_3 += res.stats.reached[2] if len(res.stats.reached) > 2 else 0
+    assert reached_3 > ROWS // 4  # the third position was decided often
+    return [chi_square_p(torch.tensor(outs[j]), _deep_exact_for(model, prompt, setting))
+            for j, prompt in enumerate((PROMPT_A, PROMPT_B))]
+
+
+def _deep_exact_for(model, prompt: list[int], setting: dict) -> torch.Tensor:
+    import tests.eval.test_sampling_exact as exact
+
+    old = exact.DEEP_PROMPT
+    exact.DEEP_PROMPT = prompt
+    try:
+        return _deep_exact(model, setting)
+    finally:
+        exact.DEEP_PROMPT = old
+
+
+@pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
+@pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"])
+def test_batched_rows_sample_exactly(kind, setting):
+    assert min(_batch_p_values(kind, setting)) > 0.01
+
+
+@pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"])
+def test_twin_another_rows_accepted_count_fails(kind):
+    # the test above (every prompt p > 0.01) fails: some prompt is far off
+    assert min(_batch_p_values(kind, DEEP_SETTINGS[1], swap_counts=True)) < 1e-3

@@ -1,0 +1,53 @@
+"""scripts/bench_batch.py on a tiny target: every method at every batch size in one run, K* per
+batch size from the measured speedups, the heterogeneous-rows row, the PNG, and the batch
+record that eval/decode.py batch_size=B reads."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import matplotlib.image
+from conftest import draft_package
+from omegaconf import OmegaConf
+
+from eval import decode
+from scripts import bench_batch
+
+
+def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
+    lm = tmp_path / "lm"
+    shutil.copytree(decode_setup["lm"], lm)
+    eagle, _ = draft_package(decode_setup, "eagle")
+    cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
+        "questions": str(decode_setup["questions"]), "batch_sizes": [1, 3], "ks": [1, 2],
+        "max_new_tokens": 6, "repeats": 1, "lm": str(lm), "eagle": str(eagle),
+        "mixed": {"good_rows": 2, "k": 2}, "write": True,
+        "target_path": str(decode_setup["target"]), "dtype": "float32",
+        "out_dir": str(tmp_path / "out")})
+    res = bench_batch.run(cfg)
+    methods = {"plain", "transformers generate", "lm K=1", "lm K=2", "eagle K=1", "eagle K=2"}
+    for r in res["rows"]:
+        assert set(r["tokens_per_s"]) == methods and min(r["tokens_per_s"].values()) > 0
+        assert set(r["speedup"]) == methods - {"plain"}
+    for fam in ("lm", "eagle"):
+        rec = res["batch"][fam]
+        for r in res["rows"]:  # K* is the best K when it beats plain decoding, else 0
+            sp = {k: r["speedup"][f"{fam} K={k}"] for k in (1, 2)}
+            best = max(sp, key=sp.get)
+            assert rec["k_star"][str(r["batch_size"])] == (best if sp[best] > 1 else 0)
+        zero = [int(b) for b, k in rec["k_star"].items() if k == 0]
+        assert rec["crossover"] == (min(zero) if zero else None)
+    assert {m["draft"] for m in res["mixed"]} == {"lm", "eagle"}
+    assert all(len(m["good_rows_vs_alone"]) == 2 and m["worst"] > 0 for m in res["mixed"])
+    png = matplotlib.image.imread(tmp_path / "out" / "throughput.png")
+    assert png.shape[0] > 200 and png.shape[1] > 500
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| 3 |" in md and "K* per batch size" in md and "Heterogeneous rows" in md
+    # write=true: the record is in the package (re-signed) and decode.py takes K from it
+    spec = json.loads((lm / "speculation.json").read_text())
+    assert spec["batch"]["k_star"] == res["batch"]["lm"]["k_star"]
+    got = decode.run_overrides([f"draft={lm}", f"target_path={decode_setup['target']}",
+                                f"prompts={decode_setup['questions']}", "max_new_tokens=4",
+                                "batch_size=3", "baseline=false"])["summary"]
+    k3 = res["batch"]["lm"]["k_star"]["3"]
+    assert (got["k"], got["k_source"]) == (k3, "speculation.json (batch 3)")

@@ -1,0 +1,94 @@
+"""scripts/quantize.py: an int8 copy of a draft package that loads (signed, verified), keeps the
+decoder lossless and drafts close to the float draft."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import draft_package
+
+from eval.decoder import SpeculativeDecoder
+from eval.draft import build_proposer, load_draft, settle
+from heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
+from heads.signing import sign_folder
+from scripts.quantize import quantize_package
+from tests.scripts.test_release import _eagle3_package
+
+CHAIN = {"k": 3, "tree": "chain", "tree_size": None, "tree_topk": 8, "medusa_branching": None,
+         "draft_vocab": "full", "device": "cpu", "dtype": "float32"}
+
+
+def _reduced_eagle(tmp_path):
+    pkg, _, target = _eagle3_package(tmp_path)
+    return pkg, target
+
+
+def _proposer(path, target):
+    pkg = load_draft(path, target)
+    plan = settle(CHAIN, pkg, measured=False)
+    return build_proposer(pkg, plan, target, int(target.model.config.vocab_size))
+
+
+def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path):
+    src, target = _reduced_eagle(tmp_path)
+    out = quantize_package(src, tmp_path / "int8")
+    info = json.loads((out / PACKAGE_JSON).read_text())["quantization"]
+    assert info["scheme"] == "int8" and "lm_head" in info["modules"] and "fc" in info["modules"]
+    pkg = load_package(out, target=target)  # signed anew, verified
+    qlinear = torch.ao.nn.quantized.dynamic.Linear
+    assert isinstance(pkg.module.fc, qlinear) and isinstance(pkg.module.lm_head, qlinear)
+    model = target.model.float().eval()
+    prompt = [1, 5, 9, 13, 5, 9]
+    plain = SpeculativeDecoder(model, _proposer(src, target), k=0).generate(prompt, 24)
+    f32 = SpeculativeDecoder(model, _proposer(src, target), k=3, adaptive=False,
+                             fallback=False).generate(prompt, 24)
+    i8 = SpeculativeDecoder(model, _proposer(out, target), k=3, adaptive=False,
+                            fallback=False).generate(prompt, 24)
+    assert i8.output_ids == f32.output_ids == plain.output_ids  # lossless whatever q says
+    # the int8 head's drafts: logits within int8 rounding of the float head's
+    fh, qh = load_package(src, target=target).module, pkg.module
+    feats = torch.randn(1, 5, fh.fc.in_features - fh.hidden_size)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    a, b = fh.compute_logits(fh(feats, ids)), qh.compute_logits(qh(feats, ids))
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+def test_int8_draft_lm_keeps_its_lm_head_and_decodes_greedily_like_the_target(decode_setup,
+                                                                              tmp_path):
+    src, _ = draft_package(decode_setup, "lm")
+    out = quantize_package(src, tmp_path / "lm-int8")
+    info = json.loads((out / PACKAGE_JSON).read_text())["quantization"]
+    assert "lm_head" not in info["modules"] and any("q_proj" in m for m in info["modules"])
+    loaded = decode_setup["loaded"]
+    model = loaded.model.float().eval()
+    prompt = [1, 5, 9, 13]
+    plain = SpeculativeDecoder(model, _proposer(src, loaded), k=0).generate(prompt, 16)
+    got = SpeculativeDecoder(model, _proposer(out, loaded), k=3, adaptive=False,
+                             fallback=False).generate(prompt, 16)
+    assert got.output_ids == plain.output_ids
+
+
+def test_bad_quantization_records_and_devices_are_refused(tmp_path):
+    src, target = _reduced_eagle(tmp_path)
+    out = quantize_package(src, tmp_path / "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_package(out, tmp_path / "again")
+    with pytest.raises(ValueError, match="inside it"):
+        quantize_package(src, src / "int8")
+    with pytest.raises(ValueError, match="CPU only"):
+        pkg = load_draft(out, target)
+        build_proposer(pkg, settle(CHAIN, pkg, measured=False), target, 64, device="cuda")
+    info = json.loads((out / PACKAGE_JSON).read_text())
+    info["quantization"]["modules"].append("no_such_layer")
+    (out / PACKAGE_JSON).write_text(json.dumps(info))
+    with pytest.raises(PackageIntegrityError):  # the edit is caught by the manifest first
+        load_package(out, target=target)
+    from heads.package import write_manifest
+
+    old = json.loads((out / "manifest.json").read_text())
+    write_manifest(out, {k: v for k, v in old.items() if k not in ("files", "signer")})
+    sign_folder(out)  # a signed package whose record names a module the draft lacks
+    with pytest.raises(PackageIntegrityError, match="no_such_layer"):
+        load_package(out, target=target)
