@@ -30,6 +30,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py $(TRAIN_ARGS)
 	$(BIN)/python scripts/bench.py $(ARGS)
+	$(BIN)/python scripts/bench_batch.py $(BATCH_ARGS)
 
 engines: $(STAMP)
 	$(BIN)/python scripts/engines.py $(ARGS)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from heads.family import FAMILIES, TreeKind
+from heads.quantize import FP32_ONLY
 from heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
@@ -191,6 +192,8 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
     if measured_k is not None and cfg.get("k") is None and not use_tree:
         k, k_source = measured_k
+    elif batch_size > 1 and cfg.get("k") is None:  # said, since K* falls as batches grow
+        k_source += " (batch one's; no batch record: scripts/bench_batch.py write=true)"
     size = cfg.get("draft_vocab")
     if family.draft_vocab and size is None:
         size = m.draft_vocab if m is not None else None
@@ -255,10 +258,11 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
                    device: str = "cpu", dtype: str = "float32") -> Any:
     """The family's proposer for ``pkg`` drafting as ``settings`` say (module moved to
     ``device`` and ``dtype``)."""
-    if pkg.info.get("quantization"):  # int8 matmuls take float32 inputs, on the CPU only
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"{pkg.path} is an int8 draft (scripts/quantize.py): its kernels "
-                             f"run on the CPU only, not on {device}; decode its source package")
+    scheme = (pkg.info.get("quantization") or {}).get("scheme")
+    if scheme and torch.device(device).type != "cpu":
+        raise ValueError(f"{pkg.path} is an {scheme} draft (scripts/quantize.py), measured on the "
+                         f"CPU only, not on {device}: decode its source package there")
+    if scheme in FP32_ONLY:  # dynamic int8 matmuls take float32 inputs
         module = pkg.module.eval()
     else:
         module = pkg.module.to(device=device, dtype=getattr(torch, dtype)).eval()

@@ -159,3 +159,32 @@ def test_batched_rows_sample_exactly(kind, setting):
 def test_twin_another_rows_accepted_count_fails(kind):
     # the test above (every prompt p > 0.01) fails: some prompt is far off
     assert min(_batch_p_values(kind, DEEP_SETTINGS[1], swap_counts=True)) < 1e-3
+
+
+@pytest.mark.real
+def test_batched_rows_equal_batch_one_on_the_real_target(real_target):
+    # the released EAGLE-3 head (fused layers, 8,192-id draft vocabulary) on the real target,
+    # fp32: each row of a batch of prompts of different lengths is, token for token and
+    # acceptance for acceptance, its batch-one decoding
+    from pathlib import Path
+
+    from eval.draft import build_proposer, load_draft, settle
+    from eval.session import encode_prompt
+
+    model = copy.deepcopy(real_target.model).float().eval()
+    pkg = load_draft(Path(__file__).resolve().parents[2] / "releases/eagle3-smollm2-135m",
+                     real_target)
+    plan = settle({"k": 3, "tree": "chain", "tree_topk": 8, "tree_size": None,
+                   "medusa_branching": None, "draft_vocab": None, "device": "cpu",
+                   "dtype": "float32"}, pkg, measured=False)
+    eagle = build_proposer(pkg, plan, real_target, int(model.config.vocab_size))
+    texts = ["Write a haiku about rain.", "What is 17 times 23? Explain each step briefly.",
+             "List three uses of a paperclip."]
+    prompts = [encode_prompt(real_target.tokenizer, t) for t in texts]
+    single = SpeculativeDecoder(model, eagle, k=3, adaptive=False, fallback=False)
+    got = BatchDecoder(model, eagle, k=3, fallback=False).generate(prompts, max_new_tokens=24)
+    for prompt, res in zip(prompts, got):
+        alone = single.generate(prompt, max_new_tokens=24)
+        assert res.output_ids == alone.output_ids
+        assert res.stats.accepted_at == alone.stats.accepted_at
+    assert sum(r.stats.accepted for r in got) > 0  # the head's drafts were accepted, not just run

@@ -11,6 +11,7 @@ from conftest import draft_package
 from eval.decoder import SpeculativeDecoder
 from eval.draft import build_proposer, load_draft, settle
 from heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
+from heads.quantize import Int8Linear
 from heads.signing import sign_folder
 from scripts.quantize import quantize_package
 from tests.scripts.test_release import _eagle3_package
@@ -30,14 +31,17 @@ def _proposer(path, target):
     return build_proposer(pkg, plan, target, int(target.model.config.vocab_size))
 
 
-def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path):
+@pytest.mark.parametrize("scheme", ["int8", "int8_dynamic"])
+def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path, scheme):
     src, target = _reduced_eagle(tmp_path)
-    out = quantize_package(src, tmp_path / "int8")
+    out = quantize_package(src, tmp_path / "int8", scheme)
     info = json.loads((out / PACKAGE_JSON).read_text())["quantization"]
-    assert info["scheme"] == "int8" and "lm_head" in info["modules"] and "fc" in info["modules"]
+    assert info["scheme"] == scheme and "lm_head" in info["modules"]
+    assert "fc" not in info["modules"] and "layer.mlp.down_proj" in info["modules"]
     pkg = load_package(out, target=target)  # signed anew, verified
-    qlinear = torch.ao.nn.quantized.dynamic.Linear
-    assert isinstance(pkg.module.fc, qlinear) and isinstance(pkg.module.lm_head, qlinear)
+    qlinear = Int8Linear if scheme == "int8" else torch.ao.nn.quantized.dynamic.Linear
+    assert isinstance(pkg.module.layer.mlp.down_proj, qlinear)
+    assert isinstance(pkg.module.lm_head, qlinear) and isinstance(pkg.module.fc, torch.nn.Linear)
     model = target.model.float().eval()
     prompt = [1, 5, 9, 13, 5, 9]
     plain = SpeculativeDecoder(model, _proposer(src, target), k=0).generate(prompt, 24)
@@ -53,6 +57,20 @@ def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path):
     a, b = fh.compute_logits(fh(feats, ids)), qh.compute_logits(qh(feats, ids))
     assert (a - b).abs().max() < 0.05 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+def test_int8_weights_are_per_channel_and_run_in_bf16():
+    lin = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        lin.weight[3] *= 100  # one large row: a per-tensor scale would flatten the others
+    q = Int8Linear(lin)
+    err = (q.weight - lin.weight).abs().amax(1) / lin.weight.abs().amax(1)
+    assert float(err.max()) <= 0.5 / 127 + 1e-6  # half a step of each row's own scale
+    x = torch.randn(5, 64)
+    rel = (q(x) - lin(x)).abs().amax(0) / lin(x).abs().amax(0)  # per output feature
+    assert float(rel.max()) < 0.05
+    qb = q.to(torch.bfloat16)  # the int8 weights stay int8, the scales follow the dtype
+    assert qb.weight_int8.dtype == torch.int8 and qb(x.bfloat16()).dtype == torch.bfloat16
 
 
 def test_int8_draft_lm_keeps_its_lm_head_and_decodes_greedily_like_the_target(decode_setup,
