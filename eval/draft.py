@@ -258,7 +258,7 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
                    device: str = "cpu", dtype: str = "float32") -> Any:
     """The family's proposer for ``pkg`` drafting as ``settings`` say (module moved to
     ``device`` and ``dtype``)."""
-    scheme = (pkg.info.get("quantization") or {}).get("scheme")
+    scheme = ((getattr(pkg, "info", None) or {}).get("quantization") or {}).get("scheme")
     if scheme and torch.device(device).type != "cpu":
         raise ValueError(f"{pkg.path} is an {scheme} draft (scripts/quantize.py), measured on the "
                          f"CPU only, not on {device}: decode its source package there")

@@ -386,6 +386,10 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     if fmt == "speculators" and not legacy_speculators:
         raise ExportError(STALE_SPECULATORS)  # before loading anything
     pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
+    if pkg.info.get("quantization"):
+        raise ValueError(f"draft={draft} is an {pkg.info['quantization'].get('scheme')} copy "
+                         "(scripts/quantize.py); engines load float layouts: export the package "
+                         "it was made from")
     if fmt not in pkg.family.export_formats:
         raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
                          f"holds a '{pkg.kind}' draft; use format="

@@ -110,3 +110,12 @@ def test_bad_quantization_records_and_devices_are_refused(tmp_path):
     sign_folder(out)  # a signed package whose record names a module the draft lacks
     with pytest.raises(PackageIntegrityError, match="no_such_layer"):
         load_package(out, target=target)
+
+
+def test_an_int8_copy_is_not_exported(tmp_path):
+    from scripts.export import export_package
+
+    src, target = _reduced_eagle(tmp_path)
+    out = quantize_package(src, tmp_path / "int8")
+    with pytest.raises(ValueError, match="export the package it was made from"):
+        export_package(out, "eagle", tmp_path / "export", target=target)
