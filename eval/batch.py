@@ -187,11 +187,35 @@ class BatchDrafter:
         q = sampling.warp(logits)
         on = q if generator is None else q.to(generator.device)
         x = torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device)
-        d2t = self.proposer.d2t
-        if d2t is not None or q.shape[-1] != self.vocab_size:
-            ids = d2t if d2t is not None else torch.arange(q.shape[-1], device=q.device)
-            q = q.new_zeros(q.shape[0], self.vocab_size).index_add_(1, ids, q)
-        return self.proposer._to_target(x), q
+        return self.proposer._to_target(x), self.proposer._scatter_q(q)
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+        """A chain of ``k`` per row: drafts ``(B, k)`` (target ids) and their ``q``
+        ``(B, k, V)`` (None when greedy)."""
+        logits = self._first()
+        self.draft_start = self.slots.width
+        drafts, qs = [], []
+        for i in range(k):
+            x, q = self._pick(logits, sampling, generator)
+            drafts.append(x)
+            qs.append(q)
+            if i < k - 1:
+                logits = self._next(x)
+        return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
+
+    def _first(self) -> Tensor:
+        """Feed what each row has waiting; the logits ``(B, Vd)`` of its first draft."""
+        raise NotImplementedError
+
+    def _next(self, x: Tensor) -> Tensor:
+        """Feed the drafts ``x (B,)``; the logits ``(B, Vd)`` of the next ones."""
+        raise NotImplementedError
+
+    def _one(self, x: Tensor) -> Tensor:
+        """The valid mask ``(B, 1)`` of a one-token block."""
+        return torch.ones(len(x), 1, dtype=torch.bool, device=self.device)
 
 
 class BatchDraftLM(BatchDrafter):
@@ -218,22 +242,13 @@ class BatchDraftLM(BatchDrafter):
         logits = torch.nn.functional.linear(last_valid(h, valid), self.head).float()  # (B, Vd)
         return logits if self.proposer.d2t is not None else fit_vocab(logits, self.vocab_size)
 
-    @torch.inference_mode()
-    def propose(self, k: int, sampling: Sampling,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    def _first(self) -> Tensor:
         ids, valid = pad_rows(self.missing, self.device)
-        logits = self._feed(ids, valid)
-        self.draft_start = self.slots.width
-        drafts, qs = [], []
-        for i in range(k):
-            x, q = self._pick(logits, sampling, generator)
-            drafts.append(x)
-            qs.append(q)
-            if i < k - 1:
-                one = torch.ones(len(x), 1, dtype=torch.bool, device=self.device)
-                logits = self._feed(x.view(-1, 1), one)
         self.missing = [[] for _ in self.missing]
-        return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
+        return self._feed(ids, valid)
+
+    def _next(self, x: Tensor) -> Tensor:
+        return self._feed(x.view(-1, 1), self._one(x))
 
     def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
         """Row ``b`` accepted ``n[b]`` of its ``k`` drafts, then ``nxt[b]``."""
@@ -272,28 +287,23 @@ class BatchEagle(BatchDrafter):
         return self.head(feats, ids, past_key_values=self.slots.cache, position_ids=pos,
                          attention_mask=mask)
 
-    @torch.inference_mode()
-    def propose(self, k: int, sampling: Sampling,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    def _first(self) -> Tensor:
         ids, valid = pad_rows([tok for _, tok in self.pending], self.device)
         width = self.pending[0][0].shape[-1]
         feats = torch.zeros(*ids.shape, width, dtype=self.pending[0][0].dtype,
                             device=self.device)
         for b, (f, _) in enumerate(self.pending):
             feats[b, :f.shape[0]] = f.to(self.device)
-        last = last_valid(self._feed(feats, ids, valid), valid).unsqueeze(1)  # (B, 1, H)
-        self.draft_start = self.slots.width
-        drafts, qs = [], []
-        for i in range(k):
-            x, q = self._pick(self.proposer._logits(last.contiguous())[:, -1], sampling,
-                              generator)
-            drafts.append(x)
-            qs.append(q)
-            if i < k - 1:
-                one = torch.ones(len(x), 1, dtype=torch.bool, device=self.device)
-                last = self._feed(last, x.view(-1, 1), one)
         self.pending = [(f[:0], []) for f, _ in self.pending]
-        return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
+        self._last = last_valid(self._feed(feats, ids, valid), valid).unsqueeze(1)  # (B, 1, H)
+        return self._logits()
+
+    def _next(self, x: Tensor) -> Tensor:
+        self._last = self._feed(self._last, x.view(-1, 1), self._one(x))
+        return self._logits()
+
+    def _logits(self) -> Tensor:
+        return self.proposer._logits(self._last.contiguous())[:, -1]
 
     def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
         """``features (B, k + 1, kH)``: the target's features of the verified block."""

@@ -335,11 +335,11 @@ class DraftVocabMixin:
         return ids if self.d2t is None else self.d2t[ids]
 
     def _scatter_q(self, q: torch.Tensor) -> torch.Tensor:
-        """Drafter-vocabulary probabilities ``(Vd,)`` -> the target vocabulary ``(V,)``."""
+        """Drafter-vocabulary probabilities ``(..., Vd)`` -> the target vocabulary ``(..., V)``."""
         if self.d2t is None and q.shape[-1] == self.vocab_size:
             return q
         ids = self.d2t if self.d2t is not None else torch.arange(q.shape[-1])
-        return q.new_zeros(self.vocab_size).index_add(0, ids.to(q.device), q)
+        return q.new_zeros(*q.shape[:-1], self.vocab_size).index_add(-1, ids.to(q.device), q)
 
 
 class DraftLMProposer(DraftVocabMixin, Proposer):

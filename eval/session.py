@@ -293,16 +293,15 @@ def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], samplin
     for start in range(0, len(records), batch_size):
         batch = records[start:start + batch_size]
         seed = sampling.seed + start
-        if plain is None:
-            res, _ = run(dec, batch, seed)
-            samples += [{**rec, "output_ids": r.output_ids, "tau": r.stats.tau,
-                         "target_forwards": r.stats.target_forwards,
-                         "wall_time_s": r.stats.wall_time_s, "batch": start // batch_size}
-                        for rec, r in zip(batch, res)]
-            parts += [r.stats for r in res]
-            continue
-        before, a = run(plain, batch, seed)
+        before, a = run(plain, batch, seed) if plain is not None else (None, 0.0)
         res, tps = run(dec, batch, seed)
+        parts += [r.stats for r in res]
+        rows = [{**rec, "output_ids": r.output_ids, "tau": r.stats.tau,
+                 "target_forwards": r.stats.target_forwards, "wall_time_s": r.stats.wall_time_s,
+                 "batch": start // batch_size} for rec, r in zip(batch, res)]
+        if plain is None:
+            samples += rows
+            continue
         after, b = run(plain, batch, seed)
         base = (a + b) / 2
         drift.append(abs(a - b) / base if base > 0 else 0.0)
@@ -310,16 +309,12 @@ def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], samplin
         if ratio is not None:
             ratios.append(ratio)
         plain_parts += [r.stats for r in before + after]
-        for rec, r, pb, pa in zip(batch, res, before, after):
+        for row, r, pb, pa in zip(rows, res, before, after):
             same.append(r.output_ids == pb.output_ids)
-            samples.append({**rec, "output_ids": r.output_ids, "tau": r.stats.tau,
-                            "target_forwards": r.stats.target_forwards,
-                            "wall_time_s": r.stats.wall_time_s,
-                            "plain_wall_time_s": [pb.stats.wall_time_s, pa.stats.wall_time_s],
+            samples.append({**row, "plain_wall_time_s": [pb.stats.wall_time_s,
+                                                         pa.stats.wall_time_s],
                             "plain_tokens": [pb.stats.tokens_generated,
-                                             pa.stats.tokens_generated],
-                            "speedup": ratio, "batch": start // batch_size})
-            parts.append(r.stats)
+                                             pa.stats.tokens_generated], "speedup": ratio})
     if plain is None:
         return Paired(samples, DecodeStats.merge(parts), None, None,
                       noise_tolerance=float(noise_tolerance))

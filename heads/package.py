@@ -21,12 +21,14 @@ target or tokenizer. Optional files (``speculation.json``) are read only when li
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,6 +194,19 @@ def publish_dir(tmp: Path, out: Path) -> None:
     remove_stale_siblings(out, kinds=("old",))
 
 
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """Build a folder for ``out`` in a fresh temporary sibling (:func:`fresh_tmp_dir`): it is
+    published as ``out`` (:func:`publish_dir`) when the block ends, and removed if it raises."""
+    tmp = fresh_tmp_dir(out)
+    try:
+        yield tmp
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def fresh_tmp_dir(out: Path) -> Path:
     """An empty ``<out>.tmp-<pid>`` folder next to ``out``; first the temporary folders of
     killed writers beside ``out`` are removed (:func:`remove_stale_siblings`)."""
@@ -262,8 +277,7 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
     out = Path(out_dir)
     ident = _identity_dict(identity)
     train_cfg = _plain_config(train_config)
-    tmp = fresh_tmp_dir(out)
-    try:
+    with staged(out) as tmp:
         family.save(module, head_config, tmp, tokenizer)
         if target_config is None:
             target_config = family.target_config_of(module)
@@ -281,10 +295,6 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
             write_json_atomic(tmp / _json_name(name), obj)
         write_manifest(tmp, _manifest_meta(info, train_cfg))
         sign_folder(tmp)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -294,8 +304,7 @@ def derive_package(src: Path, dst: Path, leave_out: tuple[str, ...] = (),
     manifest, the signature and ``leave_out`` copied, then ``write(tmp)`` adds or replaces
     files, then a new manifest (the old one's metadata kept) and signature (the local key).
     Atomic, like :func:`save_package`; returns ``dst``."""
-    tmp = fresh_tmp_dir(dst)
-    try:
+    with staged(dst) as tmp:
         for f in sorted(p for p in src.rglob("*") if p.is_file()):
             rel = f.relative_to(src).as_posix()
             if rel in (MANIFEST, SIGNATURE, *leave_out):
@@ -307,10 +316,6 @@ def derive_package(src: Path, dst: Path, leave_out: tuple[str, ...] = (),
         old = json.loads((src / MANIFEST).read_text())
         write_manifest(tmp, {k: v for k, v in old.items() if k not in ("files", "signer")})
         sign_folder(tmp)
-        publish_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 

@@ -50,9 +50,8 @@ from heads.package import (
     FORMAT_VERSION,
     MANIFEST,
     DraftPackage,
-    fresh_tmp_dir,
     load_package,
-    publish_dir,
+    staged,
     write_manifest,
 )
 from heads.vocab import TOKEN_FREQUENCY
@@ -403,8 +402,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         log.warning("the export names its target %r, which engines cannot load unless it is a "
                     "hub id or a path: pass verifier=<hub id or folder of the target>", verifier)
     out = Path(out)
-    tmp = fresh_tmp_dir(out)
-    try:
+    with staged(out) as tmp:
         WRITERS[fmt](pkg, tmp, WriteOptions(dtype, k, verifier, engine,
                                             getattr(target, "tokenizer", None),
                                             legacy_speculators))
@@ -426,10 +424,6 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         else:
             log.warning("export %s left unsigned: its package was loaded without a trusted "
                         "signature", out)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
