@@ -95,7 +95,8 @@ class EagleProposer(DraftVocabMixin, Proposer):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._sub_head is not None:
-            return torch.nn.functional.linear(hidden, self._sub_head).float()
+            feats = self.head.predicted_features(hidden)  # (the eagle3 layout's output norm)
+            return torch.nn.functional.linear(feats, self._sub_head).float()
         return self.head.compute_logits(hidden).float()
 
     # ----- protocol --------------------------------------------------------------------------

@@ -15,11 +15,18 @@ and ``t2d`` (target id is in the draft vocabulary). ``EagleConfig.layout`` picks
   ``nn.Identity``): the layer's residual output goes straight to the LM head.
 * ``"normed"``: ``fc`` with a bias, the layer's own input norm, and an output RMSNorm ``norm``
   initialised from the target's final norm. No engine layout expresses it.
+* ``"eagle3"``: what EAGLE-3 serving engines compute (vLLM ``llama_eagle3.py``, SGLang
+  ``llama_eagle3.py``, speculators ``eagle3``), so it exports exactly (``format=eagle3`` /
+  ``speculators``). ``fc: k*H -> H`` (no bias) fuses the target layers alone (k >= 2); the layer
+  (:class:`Eagle3Layer`) attends over ``[input_norm(embedding), hidden_norm(x)]`` (width 2H) with
+  ``x`` as the residual stream; ``forward`` returns the pre-norm output, which is also the next
+  step's input feature (no fusion on the head's own predictions), and ``compute_logits`` applies
+  the output RMSNorm ``norm`` (initialised from the target's final norm) before the LM head.
 
 With several fused target layers (k > 1) the head's own predictions (width H) cannot stand in
-for the k*H fused input, so a second fusion layer ``self_fc: [H, H] -> H`` handles inputs of
-width H; ``forward`` picks the layer by the feature width. With k = 1 both widths are equal and
-``fc`` serves both.
+for the k*H fused input, so in the EAGLE-1 and normed layouts a second fusion layer
+``self_fc: [H, H] -> H`` handles inputs of width H; ``forward`` picks the layer by the feature
+width. With k = 1 both widths are equal and ``fc`` serves both.
 """
 from __future__ import annotations
 
@@ -37,20 +44,15 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from heads.blocks import (
-    DistillTarget,
-    additive_mask,
-    causal_allowed,
-    master_dtype,
-    pack_rows,
-    shift_left,
-    shifted_labels,
-    teacher_mask,
-    teacher_rows,
+from heads.blocks import additive_mask, causal_allowed, master_dtype
+from heads.eagle_ttt import (  # noqa: F401 (the family's training entry points live here too)
+    distill_targets,
+    eagle_unrolled_forward,
+    fuse_features,
 )
 from heads.vocab import build_vocab_map
 
-EAGLE_LAYOUTS = ("eagle1", "normed")
+EAGLE_LAYOUTS = ("eagle1", "normed", "eagle3")
 
 
 @dataclass
@@ -68,7 +70,8 @@ class EagleConfig:
         init_layer: None = fresh decoder layer; an int copies that target layer's weights.
         layout: ``"eagle1"`` = the EAGLE-1 engine layout (no fc bias, no input norm on the
             layer, no output norm; exportable); ``"normed"`` = fc bias, input norm and a
-            trainable output RMSNorm (not exportable). See the module docstring.
+            trainable output RMSNorm (not exportable); ``"eagle3"`` = the EAGLE-3 engine layout
+            (needs >= 2 fuse_layers). See the module docstring.
     """
 
     draft_vocab_size: int | None = None
@@ -95,6 +98,15 @@ class EagleConfig:
             raise ValueError(f"EagleConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
         if self.feature_noise < 0:
             raise ValueError(f"EagleConfig.feature_noise must be >= 0, got {self.feature_noise}")
+        if self.layout == "eagle3":
+            if self.fuse_layers is None or len(self.fuse_layers) < 2:
+                raise ValueError("EagleConfig.layout=eagle3 fuses several target layers: set "
+                                 "draft.config.fuse_layers to >= 2 layer ids, e.g. [2, 15, 27] "
+                                 f"(got {self.fuse_layers})")
+            if self.init_layer is not None:
+                raise ValueError("EagleConfig.init_layer cannot seed an eagle3 layer (its "
+                                 "attention reads width 2H, the target's layers width H); set "
+                                 "draft.config.init_layer=null")
 
     @property
     def num_fused(self) -> int:
@@ -125,6 +137,33 @@ def head_llama_config(target_config: LlamaConfig) -> LlamaConfig:
     return cfg
 
 
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads ``[input_layernorm(embedding), hidden_norm(x)]``
+    (width 2H); the residual stream is ``x`` itself (the engines' default
+    ``norm_before_residual=False``); the MLP half is the target architecture's."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        base = LlamaDecoderLayer(config, layer_idx=0)
+        h, attn = config.hidden_size, base.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.self_attn, self.mlp = attn, base.mlp
+        self.input_layernorm = base.input_layernorm
+        self.post_attention_layernorm = base.post_attention_layernorm
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+
+    def forward(self, x: Tensor, emb: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                cache: DynamicCache | None, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+        attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
+        a, _ = self.self_attn(hidden_states=attn_in, attention_mask=attention_mask,
+                              position_ids=position_ids, cache=cache, use_cache=cache is not None,
+                              position_embeddings=position_embeddings)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class EagleHead(nn.Module):
     """EAGLE head; see the module docstring for the layout and alignment."""
 
@@ -145,15 +184,23 @@ class EagleHead(nn.Module):
                              "layers")
         k = cfg.num_fused
         normed = cfg.layout == "normed"
-        self.fc = nn.Linear(k * h + h, h, bias=normed)
-        self.self_fc = nn.Linear(2 * h, h, bias=normed) if k > 1 else None
-        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        self.eagle3 = cfg.layout == "eagle3"
+        self.layer: nn.Module
         self.norm: nn.Module
-        if normed:
+        if self.eagle3:  # fc fuses the target layers only; the embedding enters attention
+            self.fc = nn.Linear(k * h, h, bias=False)
+            self.self_fc = None
+            self.layer = Eagle3Layer(self.config)
             self.norm = LlamaRMSNorm(h, eps=self.config.rms_norm_eps)
-        else:  # EAGLE-1: the fused input enters attention unnormalised; no output norm
-            self.layer.input_layernorm = nn.Identity()
-            self.norm = nn.Identity()
+        else:
+            self.fc = nn.Linear(k * h + h, h, bias=normed)
+            self.self_fc = nn.Linear(2 * h, h, bias=normed) if k > 1 else None
+            self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+            if normed:
+                self.norm = LlamaRMSNorm(h, eps=self.config.rms_norm_eps)
+            else:  # EAGLE-1: the fused input enters attention unnormalised; no output norm
+                self.layer.input_layernorm = nn.Identity()
+                self.norm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(self.config)
         self.embed_tokens = nn.Embedding(v, h)
         self.embed_tokens.weight.requires_grad_(False)
@@ -245,7 +292,12 @@ class EagleHead(nn.Module):
         features = features.to(dtype)
         emb = self.embed_tokens(input_ids).to(dtype)  # (B, T, H)
         width = features.shape[-1]
-        if width == self.fc.in_features - h:
+        if self.eagle3:
+            if width not in (self.fc.in_features, h):
+                raise ValueError(f"features have width {width}; expected {self.fc.in_features} "
+                                 f"(fused target layers) or {h} (own predictions)")
+            x = self.fc(features) if width == self.fc.in_features else features
+        elif width == self.fc.in_features - h:
             x = self.fc(torch.cat([features, emb], dim=-1))
         elif self.self_fc is not None and width == h:
             x = self.self_fc(torch.cat([features, emb], dim=-1))
@@ -258,6 +310,8 @@ class EagleHead(nn.Module):
             position_ids = (torch.arange(seq, device=x.device) + past)[None].expand(bsz, -1)
         mask = self._mask(attention_mask, bsz, seq, past, x.device, dtype)
         cos_sin = self.rotary_emb(x, position_ids)
+        if self.eagle3:  # the pre-norm output: the next step's feature; compute_logits norms it
+            return self.layer(x, emb, mask, position_ids, past_key_values, cos_sin)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids,
                          cache=past_key_values, use_cache=past_key_values is not None,
                          position_embeddings=cos_sin)
@@ -286,9 +340,15 @@ class EagleHead(nn.Module):
                              f", got {attention_mask.dim()}D")
         return additive_mask(allowed, dtype)
 
+    def predicted_features(self, hidden_out: Tensor) -> Tensor:
+        """The LM-head input for ``forward``'s output (the eagle3 layout's output norm applied),
+        comparable with the target's final-norm hidden state."""
+        return self.norm(hidden_out) if self.eagle3 else hidden_out
+
     def compute_logits(self, hidden_out: Tensor) -> Tensor:
-        """(B, T, H) predicted features -> (B, T, V_draft) logits (V_draft = V when not reduced)."""
-        return self.lm_head(hidden_out)
+        """(B, T, H) ``forward`` outputs -> (B, T, V_draft) logits (V_draft = V when not
+        reduced)."""
+        return self.lm_head(self.predicted_features(hidden_out))
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
@@ -321,7 +381,7 @@ def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
             d2t, t2d = build_vocab_map(token_counts, int(cfg.draft_vocab_size), forced)
             head.set_vocab_map(d2t.to(head.d2t.device), t2d.to(head.t2d.device))
             head.lm_head.weight.copy_(w[d2t.to(w.device)])
-        if cfg.layout == "normed":
+        if cfg.layout in ("normed", "eagle3"):
             head.norm.weight.copy_(target_model.model.norm.weight)
         if cfg.init_layer is not None:
             src = target_model.model.layers[cfg.init_layer].state_dict()
@@ -330,142 +390,3 @@ def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
             head.layer.load_state_dict(src)
     head.attach_target(target_model)
     return head.train()
-
-
-def fuse_features(layers: Tensor, layer_ids: Sequence[int], fuse_layers: Sequence[int]) -> Tensor:
-    """Concatenate the chosen target layers into the head's input features.
-
-    Args:
-        layers: (B, L, T, H) cached hidden states; ``layers[:, j]`` is hidden-state id
-            ``layer_ids[j]``.
-        layer_ids: the hidden-state id of each of the L cached layers.
-        fuse_layers: the ids to fuse, in order.
-
-    Returns:
-        (B, T, k*H) with the k = len(fuse_layers) layers side by side.
-    """
-    ids = list(layer_ids)
-    missing = [i for i in fuse_layers if i not in ids]
-    if missing:
-        raise ValueError(f"fuse_layers {missing} are not in the feature cache (cached layer ids "
-                         f"{ids}); rebuild the cache with these layers")
-    picked = [layers[:, ids.index(i)] for i in fuse_layers]  # k x (B, T, H)
-    return torch.cat(picked, dim=-1)
-
-
-def _ttt_allowed(seq: int, step: int, pad: Tensor | None, bsz: int,
-                 device: torch.device) -> Tensor:
-    """(B, 1, T, step*T) bool mask for unrolling step ``step`` (1-based); see the unrolled
-    forward."""
-    causal = causal_allowed(seq, 0, device)[0, 0]  # (T, T)
-    blocks = [causal] + [torch.eye(seq, dtype=torch.bool, device=device)] * (step - 1)
-    allowed = torch.cat(blocks, dim=-1)[None, None].expand(bsz, 1, seq, step * seq).clone()
-    if pad is not None:  # step-1 keys at padding positions are never attended
-        allowed[..., :seq] &= pad.bool()[:, None, None, :]
-        allowed[..., torch.arange(seq), torch.arange(seq)] = True  # keep every row non-empty
-    return allowed
-
-
-def eagle_unrolled_forward(head: EagleHead, features: Tensor, input_ids: Tensor, steps: int,
-                           attention_mask: Tensor | None = None,
-                           detach_between_steps: bool = False) -> list[Tensor]:
-    """Training-time-test unrolling: run the head ``steps`` times on its own predictions.
-
-    Alignment, for step s = 1..steps and sequence index t (all steps keep length T):
-
-    * input token: ``x_{t+s}`` (``input_ids`` shifted left by s, 0 past the end);
-    * input feature: step 1 the target's ``f_t`` (plus training noise); step s > 1 the head's
-      own step-(s-1) output at the same index t (its prediction of ``f_{t+s-1}``);
-    * position id: ``t + s - 1``;
-    * attention: step-1 keys at indices ``j <= t`` (non-padding), and for every earlier or
-      current step r >= 2 only the step-r key at the same index t;
-    * output at t: the prediction of ``f_{t+s}``; teacher ``p_{t+s}``, data token ``x_{t+s+1}``.
-
-    This is exactly what drafting computes at inference after the target has produced features
-    up to t: the head's cache holds the step-1 entries of positions <= t, and each further draft
-    token appends one entry at the next position. Entries whose token x_{t+s} is past the end
-    only influence other such entries and are masked out of the losses.
-
-    Args:
-        head: the EAGLE head.
-        features: (B, T, k*H) target features (final hidden state, or fused layers).
-        input_ids: (B, T) token ids.
-        steps: unrolling depth (>= 1).
-        attention_mask: (B, T) 0/1 padding mask or None.
-        detach_between_steps: stop gradients flowing from step s into step s-1's output.
-
-    Returns:
-        list of ``steps`` tensors (B, T, H): the predicted features of each step.
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    bsz, seq = input_ids.shape
-    if features.shape[:2] != (bsz, seq):
-        raise ValueError(f"features {tuple(features.shape)} and input_ids {(bsz, seq)} disagree "
-                         "on (B, T)")
-    feats = features.to(head.fc.weight.dtype)
-    if head.training and head.cfg.feature_noise > 0:
-        a = head.cfg.feature_noise
-        feats = feats + (torch.rand_like(feats) * 2 - 1) * a
-    cache = head.new_cache()
-    base = torch.arange(seq, device=input_ids.device)[None].expand(bsz, -1)
-    outs: list[Tensor] = []
-    for s in range(1, steps + 1):
-        allowed = _ttt_allowed(seq, s, attention_mask, bsz, input_ids.device)
-        out = head(feats, shift_left(input_ids, s, 0), past_key_values=cache,
-                   position_ids=base + (s - 1), attention_mask=allowed)
-        outs.append(out)
-        feats = out.detach() if detach_between_steps else out
-    return outs
-
-
-def distill_targets(head: EagleHead, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
-                    attention_mask: Tensor | None = None, layers: Tensor | None = None,
-                    layer_ids: Sequence[int] | None = None,
-                    num_steps: int | None = None) -> list[DistillTarget]:
-    """Training pairs for every unrolled step (draft position k = s), packed.
-
-    Alignment: step s output at t is compared with the teacher ``p_{t+s}`` from
-    ``hidden[:, t+s]`` (also its feature-regression target); counted iff token t+s+1 exists, is
-    not padding and has ``loss_mask`` set. See ``eagle_unrolled_forward`` for the inputs. Only
-    step s's N_s counted entries are returned, in (b, t) order, shaped (1, N_s, ...)
-    (``pack_rows``): the LM head runs on those rows only.
-
-    Args:
-        head: the EAGLE head.
-        input_ids: (B, T) token ids.
-        hidden: (B, T, H) target final hidden states.
-        loss_mask: (B, T) bool, tokens to learn to predict.
-        attention_mask: (B, T) 0/1 padding mask or None.
-        layers: (B, L, T, H) cached layers (needed when the head fuses layers).
-        layer_ids: hidden-state id of each cached layer; None means ``layers`` holds exactly
-            ``head.cfg.fuse_layers`` in that order.
-        num_steps: unrolling depth; default ``head.cfg.ttt_steps``.
-
-    Returns:
-        list over steps of ``DistillTarget(logits (1,N_s,V_draft), teacher_hidden (1,N_s,H),
-        mask (1,N_s) all True, labels (1,N_s) target ids, draft_hidden (1,N_s,H),
-        teacher_index (1,N_s))``.
-    """
-    if head.cfg.fuse_layers is None:
-        features = hidden
-    else:
-        if layers is None:
-            raise ValueError("this head fuses target layers: pass layers (B, L, T, H) from a "
-                             "feature cache built with those layer ids")
-        ids = list(layer_ids) if layer_ids is not None else list(head.cfg.fuse_layers)
-        if layers.shape[1] != len(ids):
-            raise ValueError(f"layers holds {layers.shape[1]} layers but {len(ids)} layer ids "
-                             f"({ids}) describe it; pass layer_ids from the cache manifest")
-        features = fuse_features(layers, ids, head.cfg.fuse_layers)
-    outs = eagle_unrolled_forward(head, features, input_ids, num_steps or head.cfg.ttt_steps,
-                                  attention_mask)
-    result = []
-    for s, o in enumerate(outs, start=1):
-        mask = teacher_mask(loss_mask, attention_mask, s)
-        teacher, labels = shift_left(hidden, s, 0.0), shifted_labels(input_ids, s)
-        rows = teacher_rows(*input_ids.shape, s, input_ids.device)
-        o, teacher, labels, rows, mask = pack_rows(mask, o, teacher, labels, rows)
-        result.append(DistillTarget(head.compute_logits(o), teacher, mask, labels, draft_hidden=o,
-                                    teacher_index=rows))
-    return result

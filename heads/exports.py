@@ -1,7 +1,7 @@
 """Read an export back into draftsmith's heads, and the layout facts writer and reader share.
 
 ``scripts/export.py`` writes a draft package in a serving engine's layout (``hf``, ``medusa``,
-``eagle``, ``speculators``); :func:`import_export` loads such a folder as the same
+``eagle``, ``eagle3``, ``speculators``); :func:`import_export` loads such a folder as the same
 :class:`~heads.package.DraftPackage` that :func:`heads.package.load_package` returns, so
 ``eval/decode.py draft=EXPORT`` decodes from it. The full layout specification (config keys,
 tensor names and shapes, sources) is ``scripts/export_layouts.py``.
@@ -23,12 +23,20 @@ from heads.package import DraftPackage, check_target, target_config, verify_pack
 
 FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
-WEIGHTS_FILE = {"hf": WEIGHTS, "eagle": WEIGHTS, "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS}
+WEIGHTS_FILE = {"hf": WEIGHTS, "gguf": "draft.gguf", "eagle": WEIGHTS, "eagle3": WEIGHTS,
+                "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS}
 # Tensors of the EAGLE-1 decoder layer (``layers.0.*``; draftsmith's head names it ``layer.*``).
 EAGLE1_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
                      "mlp.up_proj.weight", "mlp.down_proj.weight",
                      "post_attention_layernorm.weight")
+
+
+# Tensors of the EAGLE-3 decoder layer (``midlayer.*`` in the EAGLE-3 layout, ``layers.0.*`` in
+# speculators'; draftsmith's eagle3 head names it ``layer.*``).
+EAGLE3_LAYER_KEYS = EAGLE1_LAYER_KEYS + ("input_layernorm.weight", "hidden_norm.weight")
+# The layer prefix of each EAGLE-3 format.
+EAGLE3_LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 
 
 def format_family(fmt: str) -> DraftFamily:
@@ -75,10 +83,44 @@ def eagle1_to_ours(state: dict[str, torch.Tensor], hidden: int,
     return out
 
 
+def eagle3_to_ours(state: dict[str, torch.Tensor], layer_prefix: str,
+                   fuse_layers: list[int]) -> dict[str, torch.Tensor]:
+    """EAGLE-3 names -> draftsmith names (inverse of ``scripts/export.py``'s ``_ours_to_eagle3``):
+    ``fc`` columns from ascending layer order back to ``fuse_layers`` order, ``d2t`` from offsets
+    (``target id - draft id``) back to target ids."""
+    out = {"fc.weight": _fc_columns(state["fc.weight"], sorted(fuse_layers), fuse_layers),
+           "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
+    for key in EAGLE3_LAYER_KEYS:
+        out[f"layer.{key}"] = state[f"{layer_prefix}{key}"]
+    if "d2t" in state:
+        out["d2t"] = state["d2t"].long() + torch.arange(state["d2t"].numel())
+        out["t2d"] = state["t2d"].bool()
+    return out
+
+
+def _fc_columns(w: torch.Tensor, order: list[int], want: list[int]) -> torch.Tensor:
+    """``fc.weight (H, k*H)`` whose column blocks follow layer ids ``order``, reordered to
+    ``want``."""
+    blocks = w.chunk(len(order), dim=1)
+    return torch.cat([blocks[order.index(i)] for i in want], dim=1).contiguous()
+
+
 def _read_hf(weights: Path, family: DraftFamily, cfg: Any, info: dict, target: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(weights.parent, dtype=torch.float32)
+
+
+def _read_gguf(weights: Path, family: DraftFamily, cfg: Any, info: dict, target: Any) -> nn.Module:
+    """transformers' own GGUF loader (it undoes the q/k RoPE permutation llama.cpp needs), its
+    tensors moved into a plain model (a GGUF-loaded one refuses dtype changes)."""
+    from transformers import AutoModelForCausalLM
+
+    read = AutoModelForCausalLM.from_pretrained(weights.parent, gguf_file=weights.name,
+                                                dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    return model
 
 
 def _read_medusa(weights: Path, family: DraftFamily, cfg: Any, info: dict,
@@ -103,15 +145,32 @@ def _read_eagle(weights: Path, family: DraftFamily, cfg: Any, info: dict,
     return _eagle1_head(load_file(str(weights)), family, cfg, info, target)
 
 
+def _eagle3_head(state: dict[str, torch.Tensor], fmt: str, family: DraftFamily, cfg: Any,
+                 info: dict, target: Any) -> nn.Module:
+    module = family.empty_head(cfg, info["target"], target_config(info, target),
+                               None if target is None else target.model)
+    ours = eagle3_to_ours(state, EAGLE3_LAYER_PREFIX[fmt], list(cfg.fuse_layers))
+    module.load_trainable_state_dict({k: (v.float() if v.is_floating_point() else v)
+                                      for k, v in ours.items()})
+    return module
+
+
+def _read_eagle3(weights: Path, family: DraftFamily, cfg: Any, info: dict,
+                 target: Any) -> nn.Module:
+    return _eagle3_head(load_file(str(weights)), "eagle3", family, cfg, info, target)
+
+
 def _read_speculators(weights: Path, family: DraftFamily, cfg: Any, info: dict,
                       target: Any) -> nn.Module:
+    if cfg.layout == "eagle3":  # speculators' eagle3 type
+        return _eagle3_head(load_file(str(weights)), "speculators", family, cfg, info, target)
     state = rename_prefix(rename_prefix(load_file(str(weights)), "fusion_fc.", "fc."),
                           "transformer.", "layers.0.")
     return _eagle1_head(state, family, cfg, info, target)
 
 
-READERS = {"hf": _read_hf, "medusa": _read_medusa, "eagle": _read_eagle,
-           "speculators": _read_speculators}
+READERS = {"hf": _read_hf, "gguf": _read_gguf, "medusa": _read_medusa, "eagle": _read_eagle,
+           "eagle3": _read_eagle3, "speculators": _read_speculators}
 
 
 def import_export(path: str | Path, target: Any = None, allow_unverified: bool = False,

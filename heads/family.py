@@ -180,7 +180,7 @@ class DraftLMFamily(DraftFamily):
     proposer = "eval.proposers.DraftLMProposer"
     draft_vocab = True
     hf_model = True
-    export_formats = ("hf",)
+    export_formats = ("hf", "gguf")
     distill_targets = staticmethod(draft_lm.distill_targets)
 
     _WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
@@ -276,7 +276,7 @@ class EagleFamily(DraftFamily):
     proposer = "eval.proposers_eagle.EagleProposer"
     tree_by_default = True
     draft_vocab = True
-    export_formats = ("eagle", "speculators")
+    export_formats = ("eagle", "eagle3", "speculators")
     distill_targets = staticmethod(eagle.distill_targets)
 
     def build(self, head_config, target_model, token_counts=None):

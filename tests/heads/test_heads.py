@@ -200,11 +200,22 @@ def test_medusa_config_and_alignment():
 
 
 # ----- EAGLE ---------------------------------------------------------------------------------
-def test_eagle_cache_step_by_step_equals_full_sequence():
+LAYOUTS = {"eagle1": (EagleConfig, 1), "eagle3": (lambda **kw: EagleConfig(
+    layout="eagle3", fuse_layers=[1, 0], **kw), 2)}
+
+
+def _feats(hidden, k):
+    """k fused 'layers' made from the final hidden state (the head only sees widths)."""
+    return torch.cat([hidden * (1 + 0.5 * i) for i in range(k)], dim=-1)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_eagle_cache_step_by_step_equals_full_sequence(layout):
+    make, k = LAYOUTS[layout]
     target = tiny_llama()
-    head = build_eagle(EagleConfig(), target).eval()
+    head = build_eagle(make(), target).eval()
     ids = _ids()
-    hidden = _hidden(target, ids)
+    hidden = _feats(_hidden(target, ids), k)
     with torch.no_grad():
         full = head(hidden, ids)
         assert full.shape == (B, T, 32)
@@ -216,11 +227,13 @@ def test_eagle_cache_step_by_step_equals_full_sequence():
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
 
-def test_eagle_unrolled_steps_equal_step_by_step_drafting():
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_eagle_unrolled_steps_equal_step_by_step_drafting(layout):
+    make, k = LAYOUTS[layout]
     target = tiny_llama()
-    head = build_eagle(EagleConfig(ttt_steps=3), target).eval()
+    head = build_eagle(make(ttt_steps=3), target).eval()
     ids = _ids()
-    hidden = _hidden(target, ids)
+    hidden = _feats(_hidden(target, ids), k)
     with torch.no_grad():
         outs = eagle.eagle_unrolled_forward(head, hidden, ids, 3)
         for t in (0, 3, 6):
@@ -233,6 +246,34 @@ def test_eagle_unrolled_steps_equal_step_by_step_drafting():
         # a broken alignment (true features at step 2) gives different outputs
         wrong = head(hidden[:, 1: T - 1], ids[:, 2:])
         assert not torch.allclose(wrong[:, 3], outs[1][:, 3], atol=1e-3)
+
+
+def test_eagle3_layout_structure_and_config_errors():
+    """layout=eagle3: fc over the fused layers only, q/k/v over [embedding, hidden] (2H), the
+    pre-norm output fed back (width H, no fc), logits through the output norm."""
+    target = tiny_llama()
+    head = build_eagle(EagleConfig(layout="eagle3", fuse_layers=[0, 1]), target).eval()
+    h = target.config.hidden_size
+    assert head.fc.in_features == 2 * h and head.fc.bias is None and head.self_fc is None
+    assert head.layer.self_attn.q_proj.in_features == 2 * h
+    assert torch.equal(head.norm.weight, target.model.norm.weight)
+    ids = _ids()
+    feats = _feats(_hidden(target, ids), 2)
+    with torch.no_grad():
+        out = head(feats, ids)
+        torch.testing.assert_close(head.compute_logits(out),
+                                   head.lm_head(head.norm(out)))  # the norm is in the logits
+        assert head(out, ids).shape == out.shape  # own predictions: width H, no fusion
+    keys = set(head.trainable_state_dict())
+    assert {"layer.hidden_norm.weight", "layer.input_layernorm.weight", "norm.weight"} <= keys
+    with pytest.raises(ValueError, match="features have width"):
+        head(feats[..., :5], ids)
+    with pytest.raises(ValueError, match=r"layout=eagle3 fuses several.*fuse_layers"):
+        EagleConfig(layout="eagle3")
+    with pytest.raises(ValueError, match=r"layout=eagle3 fuses several"):
+        EagleConfig(layout="eagle3", fuse_layers=[2])
+    with pytest.raises(ValueError, match="init_layer cannot seed an eagle3 layer"):
+        EagleConfig(layout="eagle3", fuse_layers=[0, 1], init_layer=0)
 
 
 def test_eagle_padding_does_not_leak_into_valid_positions():
@@ -356,8 +397,9 @@ def test_eagle_layouts_structure_init_and_config():
     assert fused.fc.bias is None and fused.self_fc.bias is None
     assert EagleConfig.from_dict({"ttt_steps": 2}).layout == "eagle1"  # missing key: default
     assert EagleConfig.from_dict(normed.cfg.to_dict()) == normed.cfg
-    with pytest.raises(ValueError, match=r"layout must be one of \('eagle1', 'normed'\).*'eagle3'"):
-        EagleConfig(layout="eagle3")
+    with pytest.raises(ValueError, match=r"layout must be one of \('eagle1', 'normed', 'eagle3'\)"
+                       r".*'eagle2'"):
+        EagleConfig(layout="eagle2")
 
 
 # ----- short training of each family -----------------------------------------------------------

@@ -46,3 +46,37 @@ def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
     assert len(lines) == 2 + len(rows)
     assert "| 0.08 0.00 | 0.08 0.00 | True | 25.4 / 34.3 |" in lines[2]
     assert "Expected one of: eagle3 / peagle" in lines[3]  # the engine's words, pipes escaped
+
+
+def test_llama_cpp_acceptance_is_scored_against_the_produced_tokens():
+    """The llama.cpp runner's counts: per position, drafts equal to the output there with every
+    earlier draft of the call equal too; calls whose k positions run past the output are not
+    judged."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_cpp_run",
+                                                  engines.RUNNERS / "llama_cpp_run.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)  # imports numpy only; llama_cpp is imported inside runs
+    seq = [5, 6, 7, 8, 9, 10]
+    calls = [(2, [7, 8]),   # both right
+             (3, [8, 1]),   # first right, second wrong
+             (4, [1, 10]),  # first wrong: the second is not counted even though it matches
+             (5, [10, 11])]  # runs past the output: not judged
+    assert runner._score(calls, seq, 2) == (3, [2, 1])
+    assert engines.engine_acceptance("llama_cpp", {"draft_calls": 3,
+                                                   "accepted_per_position": [2, 1]}, 2) == \
+        pytest.approx([2 / 3, 1 / 3])
+    assert engines.engine_acceptance("vllm", {"vllm:spec_decode_num_drafts": 4,
+                                              "vllm:spec_decode_num_accepted_tokens_per_pos":
+                                                  [2, 1]}, 2) == pytest.approx([0.5, 0.25])
+
+
+def test_each_format_runs_in_its_engine_the_way_the_engine_reads_it(tmp_path):
+    assert engines.engine_run("eagle3", tmp_path, 2)["speculative_config"] == {
+        "model": str(tmp_path), "num_speculative_tokens": 2, "method": "eagle3"}
+    spec = engines.engine_run("speculators", tmp_path, 2)  # the export is served as the model
+    assert spec["model"] == str(tmp_path) and "method" not in spec["speculative_config"]
+    gguf = engines.engine_run("gguf", tmp_path, 3)
+    assert gguf["draft"] == str(tmp_path / "draft.gguf") and gguf["k"] == 3
+    assert engines.LOADERS["speculators"] in engines.ENVS

@@ -11,7 +11,11 @@ import torch
 from conftest import make_tiny_target
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from data.target import TargetIdentity
 from heads.draft_lm import DraftLMConfig, build_draft_lm
@@ -26,7 +30,7 @@ from heads.package import (
     load_package,
     save_package,
 )
-from scripts import export
+from scripts import export_formats
 from scripts.export import ExportError, OutPathError, export_package, tensor_shapes
 from scripts.export_layouts import REQUIRED_FILES, layout_problems
 
@@ -81,6 +85,76 @@ def test_hf_export_is_an_assistant_model_and_round_trips(lm_package, tmp_path):
     # the same object as load_package gives: a TargetIdentity, not the manifest's dict
     assert isinstance(back.identity, TargetIdentity)
     assert back.identity == load_package(pkg, target=target).identity == target.identity
+
+
+def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path, monkeypatch):
+    """format=gguf: transformers' own GGUF reader (which undoes llama.cpp's q/k RoPE row order)
+    gives the draft's logits and q/k weights back; the tokenizer is the target GGUF's. Twin: the
+    same file written without the permutation reads back with other q/k weights."""
+    import gguf
+
+    from data.target import packaged_gguf
+    from scripts import export_gguf
+    target, draft, pkg = lm_package
+    source = packaged_gguf()
+    out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
+    file = out / export_gguf.GGUF_FILE
+    fields = gguf.GGUFReader(str(file)).fields
+    want = gguf.GGUFReader(str(source)).fields
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["llama.block_count"].contents() == draft.config.num_hidden_layers
+    assert fields["tokenizer.ggml.tokens"].contents() == want["tokenizer.ggml.tokens"].contents()
+    back = import_export(out, target=target).module
+    ids = torch.randint(3, target.model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, draft(ids).logits, rtol=0, atol=0)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(back.state_dict()[q], draft.state_dict()[q])
+    monkeypatch.setattr(export_gguf, "_permute_rope", lambda w, n: w)
+    export_gguf.write_gguf(draft, tmp_path / "unpermuted.gguf", torch.float32, None, "twin")
+    twin = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="unpermuted.gguf")
+    assert not torch.equal(twin.state_dict()[q], draft.state_dict()[q])
+
+
+def test_gguf_export_needs_the_target_gguf_for_its_tokenizer(lm_package, tmp_path):
+    _, _, pkg = lm_package  # a tiny target: the packaged GGUF is not its target
+    with pytest.raises(ExportError, match="not this draft's target.*gguf_vocab_from"):
+        export_package(pkg, "gguf", tmp_path / "gguf")
+    with pytest.raises(ExportError, match="is not a file"):
+        export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=tmp_path / "none.gguf")
+    with pytest.raises(ExportError, match="float32 or float16"):
+        export_package(pkg, "gguf", tmp_path / "gguf", dtype=torch.bfloat16,
+                       gguf_vocab_from=tmp_path / "none.gguf")
+    assert not (tmp_path / "gguf").exists()
+
+
+def test_reference_library_files_are_optional_extras_with_the_same_tensors(tmp_path):
+    """reference_files=true adds eagle-llm's pytorch_model.bin (the head plus the target's
+    embedding) and medusa-llm's medusa_lm_head.pt, holding the safetensors' tensors."""
+    from safetensors.torch import load_file
+    target = make_tiny_target()
+    m_cfg = MedusaConfig(num_heads=2, num_layers=1)
+    medusa = save_package(tmp_path / "m", "medusa", _randomize(build_medusa(m_cfg, target.model)),
+                          m_cfg, target.identity)
+    eagle = save_package(tmp_path / "e", "eagle", _eagle1_head(target), EagleConfig(),
+                         target.identity)
+    for pkg, fmt, name in ((medusa, "medusa", "medusa_lm_head.pt"),
+                           (eagle, "eagle", "pytorch_model.bin")):
+        plain = export_package(pkg, fmt, tmp_path / f"{fmt}-plain")
+        assert not (plain / name).exists()  # not written unless asked
+        out = export_package(pkg, fmt, tmp_path / fmt, reference_files=True, target=target)
+        _conforms(out, fmt)  # the manifest lists the extra file
+        ref = torch.load(out / name, weights_only=True)
+        stored = load_file(str(out / WEIGHTS_FILE[fmt]))
+        assert set(ref) - set(stored) == ({"embed_tokens.weight"} if fmt == "eagle" else set())
+        for k, v in stored.items():
+            assert torch.equal(ref[k], v), k
+    assert torch.equal(ref["embed_tokens.weight"],
+                       target.model.get_input_embeddings().weight)
+    with pytest.raises(ValueError, match="format=eagle3 has no reference-library layout"):
+        export_package(eagle, "eagle3", tmp_path / "x", reference_files=True)
+    with pytest.raises(ValueError, match="stores the target's embedding: load the target"):
+        export_package(eagle, "eagle", tmp_path / "y", reference_files=True)
 
 
 def test_advertised_draft_length_is_k_star_only(tmp_path):
@@ -150,7 +224,7 @@ def test_eagle1_head_beyond_any_engine_layout_is_refused(tmp_path, cfg, what):
         with pytest.raises(ExportError) as err:
             export_package(pkg, fmt, tmp_path / fmt, legacy_speculators=fmt == "speculators")
         msg = str(err.value)
-        assert what in msg and "no engine layout" in msg and "layout=normed" not in msg
+        assert what in msg and "draft.config.layout=eagle3" in msg and "layout=normed" not in msg
         assert not (tmp_path / fmt).exists()
 
 
@@ -198,7 +272,7 @@ def test_eagle1_head_exports_exactly(tmp_path, fmt, engine, fc_prefix, layer_pre
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     if fmt == "eagle":
-        assert config["architectures"] == [export.EAGLE_ARCH[engine]]
+        assert config["architectures"] == [export_formats.EAGLE_ARCH[engine]]
         # sglang always builds fc with a bias: it gets an explicit zero one; vllm gets none
         assert config["bias"] == (engine == "sglang") == ("fc.bias" in tensors)
         if engine == "sglang":
@@ -224,12 +298,165 @@ def test_engine_forward_tells_the_layouts_apart(tmp_path):
     tc = target.model.config
     normed = _randomize(build_eagle(EagleConfig(layout="normed"), target.model))
     normed.attach_target(target.model)
-    state = export._ours_to_eagle1(normed.state_dict(), tc.hidden_size)
+    state = export_formats._ours_to_eagle1(normed.state_dict(), tc.hidden_size)
     feats = torch.randn(2, 6, tc.hidden_size)
     ids = torch.randint(0, tc.vocab_size, (2, 6))
     engine_logits = _engine_eagle1(state, "fc.", "layers.0.", tc, target.model, feats, ids)
     ours = normed.compute_logits(normed(feats, ids))
     assert not torch.allclose(engine_logits, ours, rtol=1e-2, atol=1e-2)
+
+
+def _eagle3_head(target, fuse=(1, 0), vocab=40, seed=0):
+    """A layout=eagle3 head (reduced vocabulary, layers fused out of ascending order) with random
+    trainable weights."""
+    cfg = EagleConfig(layout="eagle3", fuse_layers=list(fuse), draft_vocab_size=vocab)
+    counts = torch.arange(target.model.config.vocab_size, dtype=torch.float).flip(0)
+    head = build_eagle(cfg, target.model, token_counts=counts)
+    _randomize(head, seed)
+    head.attach_target(target.model)
+    return cfg, head.eval()
+
+
+def _engine_eagle3(tensors: dict, tc: LlamaConfig, target_model, layers: dict,
+                   ids, steps: int = 2, residual_normed: bool = False):
+    """What EAGLE-3 engines (vllm llama_eagle3.py) compute from an export, by the export alone:
+    fc over the captured layers in ascending id order; attention over [input_norm(emb),
+    hidden_norm(h)] with h the residual; final norm; draft LM head mapped to target ids with d2t
+    offsets (-inf elsewhere); later steps feed the pre-norm output back without fc. Returns the
+    target-vocabulary logits of each step at the last position."""
+    p = "midlayer." if any(k.startswith("midlayer.") for k in tensors) else "layers.0."
+    cfg = LlamaConfig(**{**tc.to_dict(), "num_hidden_layers": 1})
+    h = tc.hidden_size
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + tc.rms_norm_eps))
+
+    rope = LlamaRotaryEmbedding(cfg)
+    order = sorted(layers)
+    x = torch.cat([layers[i] for i in order], -1) @ tensors["fc.weight"].T  # (1, T, H)
+    emb_all = target_model.get_input_embeddings()(ids)
+    nh, nkv, hd = tc.num_attention_heads, tc.num_key_value_heads, h // tc.num_attention_heads
+    keys, values, outs = [], [], []
+    nxt = None
+    for s in range(steps):
+        n = x.shape[1]
+        pos = torch.arange(ids.shape[1] - n, ids.shape[1])[None] + s
+        tok = emb_all[:, -n:] if s == 0 else target_model.get_input_embeddings()(nxt)
+        hn = rms(x, tensors[f"{p}hidden_norm.weight"])
+        a_in = torch.cat([rms(tok, tensors[f"{p}input_layernorm.weight"]), hn], -1)
+        q = (a_in @ tensors[f"{p}self_attn.q_proj.weight"].T).view(1, n, nh, hd).transpose(1, 2)
+        k = (a_in @ tensors[f"{p}self_attn.k_proj.weight"].T).view(1, n, nkv, hd).transpose(1, 2)
+        v = (a_in @ tensors[f"{p}self_attn.v_proj.weight"].T).view(1, n, nkv, hd).transpose(1, 2)
+        cos, sin = rope(x, pos)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+        kk, vv = kk.repeat_interleave(nh // nkv, 1), vv.repeat_interleave(nh // nkv, 1)
+        past = kk.shape[2] - n
+        mask = torch.ones(n, kk.shape[2], dtype=torch.bool).tril(past)
+        att = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        a = att.transpose(1, 2).reshape(1, n, nh * hd) @ tensors[f"{p}self_attn.o_proj.weight"].T
+        r = (hn if residual_normed else x) + a
+        m = rms(r, tensors[f"{p}post_attention_layernorm.weight"])
+        mlp = (torch.nn.functional.silu(m @ tensors[f"{p}mlp.gate_proj.weight"].T)
+               * (m @ tensors[f"{p}mlp.up_proj.weight"].T)) @ tensors[f"{p}mlp.down_proj.weight"].T
+        out = r + mlp
+        draft = rms(out, tensors["norm.weight"]) @ tensors["lm_head.weight"].T  # (1, n, Vd)
+        full = torch.full((*draft.shape[:2], tc.vocab_size), float("-inf"))
+        full[..., torch.arange(draft.shape[-1]) + tensors["d2t"]] = draft
+        outs.append(full[:, -1])
+        nxt = full[:, -1:].argmax(-1)
+        x = out[:, -1:]
+    return outs
+
+
+def _our_eagle3(head, layers: dict, ids, steps: int = 2):
+    """Our head, drafting greedily: the target-vocabulary logits of each step at the last
+    position."""
+    feats = torch.cat([layers[i] for i in head.cfg.fuse_layers], -1)
+    cache = head.new_cache()
+    out = head(feats, ids, past_key_values=cache)[:, -1:]
+    res = []
+    for _ in range(steps):
+        draft = head.compute_logits(out)[:, -1]
+        full = torch.full((1, head.vocab_size), float("-inf"))
+        full[:, head.d2t] = draft
+        res.append(full)
+        out = head(out, head.d2t[draft.argmax(-1)][:, None], past_key_values=cache)
+    return res
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_eagle3_head_exports_exactly(tmp_path, fmt):
+    """An EAGLE-3 head in format=eagle3 (LlamaForCausalLMEagle3) and speculators' eagle3 type:
+    the engines' forward, computed from the export's tensors alone, gives our drafts over two
+    steps; the export reads back bit for bit."""
+    from safetensors.torch import load_file
+    target = make_tiny_target()
+    tc = target.model.config
+    cfg, head = _eagle3_head(target)
+    pkg = save_package(tmp_path / "pkg", "eagle", head, cfg, target.identity,
+                       extra_json={"speculation": {"k_star": 3}})
+    out = export_package(pkg, fmt, tmp_path / fmt, verifier="/models/tiny")
+    _conforms(out, fmt)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    if fmt == "eagle3":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # ascending
+        assert config["draft_vocab_size"] == 40 and config["norm_before_residual"] is False
+        assert config["rope_theta"] == tc.rope_parameters["rope_theta"]
+    else:
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+        spec = config["speculators_config"]
+        assert spec["proposal_methods"][0]["speculative_tokens"] == 3
+        assert spec["verifier"]["name_or_path"] == "/models/tiny"
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    torch.testing.assert_close(tensors["d2t"] + torch.arange(40), head.d2t)  # offsets
+    ids = torch.randint(3, tc.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hs = target.model(ids, output_hidden_states=True).hidden_states
+        layers = {i: hs[i] for i in (0, 1)}
+        ours = _our_eagle3(head, layers, ids)
+        engine = _engine_eagle3(tensors, tc, target.model, layers, ids)
+        for a, b in zip(engine, ours):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        # the check can fail: the other residual convention computes other drafts
+        twin = _engine_eagle3(tensors, tc, target.model, layers, ids,
+                              residual_normed=True)
+        assert not torch.allclose(twin[0], ours[0], rtol=1e-2, atol=1e-2)
+        back = import_export(out, target=target).module
+        for a, b in zip(_our_eagle3(back, layers, ids), ours):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if fmt == "eagle3":  # SGLang counts captured layers from the output of layer id
+        sgl = export_package(pkg, fmt, tmp_path / "sglang", engine="sglang")
+        sgl_cfg = json.loads((sgl / "config.json").read_text())
+        assert sgl_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0]
+
+
+def test_eagle3_exports_refuse_what_engines_would_compute_differently(tmp_path):
+    target = make_tiny_target()
+    n = target.model.config.num_hidden_layers
+    cfg, head = _eagle3_head(target, fuse=(0, n))  # n = the final (normed) hidden state
+    pkg = save_package(tmp_path / "pkg", "eagle", head, cfg, target.identity)
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(ExportError, match=rf"fuse_layers=\[0, {n}\] holds {n}.*before that "
+                                              "norm"):
+            export_package(pkg, fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    with pytest.raises(ExportError, match="EAGLE-3 head.*format=eagle3 or format=speculators"):
+        export_package(pkg, "eagle", tmp_path / "eagle")
+    e1 = save_package(tmp_path / "e1", "eagle", _eagle1_head(target), EagleConfig(),
+                      target.identity)
+    with pytest.raises(ExportError, match="layout=eagle1.*draft.config.layout=eagle3"):
+        export_package(e1, "eagle3", tmp_path / "e3")
+    # an EAGLE-1 head has only the stale speculators type: refused with the alternatives
+    with pytest.raises(ExportError, match=r"dropped after 0\.4\.0\.1.*format=eagle.*layout=eagle3"
+                                          r".*legacy_speculators=true"):
+        export_package(e1, "speculators", tmp_path / "sp")
+    assert not (tmp_path / "sp").exists()
 
 
 def test_trained_eagle1_head_exports_and_engines_match_it(tmp_path):
@@ -471,13 +698,6 @@ def test_hf_export_of_a_real_draft_lm_is_an_assistant_model_for_smollm2(real_tar
     assert assisted.tolist() == plain.tolist()
 
 
-def test_the_stale_speculators_format_is_refused_before_loading(tmp_path):
-    with pytest.raises(ExportError, match=r"dropped after 0\.4\.0\.1.*format=eagle.*"
-                                          r"legacy_speculators=true"):
-        export_package(tmp_path / "no-such-package", "speculators", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_exported_configs_carry_rope_theta_for_older_loaders(tmp_path):
     """transformers 4.x reads the RoPE base from ``rope_theta`` only (else 10,000, silently)."""
     target = make_tiny_target()
@@ -487,13 +707,13 @@ def test_exported_configs_carry_rope_theta_for_older_loaders(tmp_path):
                        target.identity)
     cfg = json.loads((export_package(pkg, "eagle", tmp_path / "e") / "config.json").read_text())
     assert base and cfg["rope_theta"] == base
-    assert export.readable_by_older_loaders(
+    assert export_formats.readable_by_older_loaders(
         {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}) == {
         "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
         "rope_theta": 100000.0}
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
-    export._portable_tokenizer_config(tok)
+    export_formats._portable_tokenizer_config(tok)
     assert json.loads((tok / "tokenizer_config.json").read_text())["tokenizer_class"] == (
         "PreTrainedTokenizerFast")
