@@ -53,6 +53,7 @@ from heads.package import (
 from heads.vocab import TOKEN_FREQUENCY
 from scripts.export_formats import (
     REFERENCE_FILES,
+    REFERENCE_WITH_EMBEDDING,
     WRITERS,
     ExportError,
     WriteOptions,
@@ -175,8 +176,9 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     if reference_files and fmt not in REFERENCE_FILES:
         raise ValueError(f"reference_files=true adds {REFERENCE_FILES} files; format={fmt} has "
                          "no reference-library layout: drop reference_files")
-    if reference_files and fmt == "eagle" and target is None:
-        raise ValueError("reference_files=true for format=eagle stores the target's embedding: "
+    if (reference_files and REFERENCE_FILES[fmt] in REFERENCE_WITH_EMBEDDING
+            and target is None):
+        raise ValueError(f"reference_files=true for format={fmt} stores the target's embedding: "
                          "load the target (check_target=true or target_path=...)")
     pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
     if pkg.info.get("quantization"):

@@ -252,6 +252,8 @@ def _write_hf(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
 # tensors; medusa-llm 0.1 loads ``medusa_lm_head.pt``. Neither library runs SmolLM2 correctly
 # (README, "Engines"): the files serve other targets and other tools that read those names.
 REFERENCE_FILES = {"eagle": "pytorch_model.bin", "medusa": "medusa_lm_head.pt"}
+# the reference files that hold the target's embedding (the package must be loaded with it)
+REFERENCE_WITH_EMBEDDING = ("pytorch_model.bin",)
 
 
 def _save_reference(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
