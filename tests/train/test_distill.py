@@ -311,9 +311,9 @@ def test_shared_teacher_equality_fails_when_teacher_rows_are_misaligned(warm_cac
                                                                        monkeypatch):
     """Twin: with the teacher row of each EAGLE position off by one token, the fast path's loss
     is no longer the per-position one (the comparison above can fail)."""
-    from heads import blocks, eagle
+    from heads import blocks, eagle_ttt
 
-    monkeypatch.setattr(eagle, "teacher_rows",
+    monkeypatch.setattr(eagle_ttt, "teacher_rows",
                         lambda b, t, s, device: blocks.teacher_rows(b, t, s + 1, device))
     (old_loss, _, _), (new_loss, _, _) = _old_and_new_paths(
         TINY + ["draft=eagle", f"out_dir={tmp_path}"])
