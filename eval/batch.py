@@ -20,6 +20,7 @@ others go on. The block is as wide as the longest row's chain.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -165,7 +166,7 @@ class BatchTarget:
         return logits, hidden
 
 
-class BatchDrafter:
+class BatchDrafter(ABC):
     """A batched chain drafter built from a batch-one proposer (its weights and draft
     vocabulary); subclasses hold the per-row state.
 
@@ -205,13 +206,13 @@ class BatchDrafter:
                 logits = self._next(x)
         return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
 
+    @abstractmethod
     def _first(self) -> Tensor:
         """Feed what each row has waiting; the logits ``(B, Vd)`` of its first draft."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _next(self, x: Tensor) -> Tensor:
         """Feed the drafts ``x (B,)``; the logits ``(B, Vd)`` of the next ones."""
-        raise NotImplementedError
 
     def _one(self, x: Tensor) -> Tensor:
         """The valid mask ``(B, 1)`` of a one-token block."""
