@@ -88,7 +88,7 @@ def eagle3_to_ours(state: dict[str, torch.Tensor], layer_prefix: str,
     """EAGLE-3 names -> draftsmith names (inverse of ``scripts/export.py``'s ``_ours_to_eagle3``):
     ``fc`` columns from ascending layer order back to ``fuse_layers`` order, ``d2t`` from offsets
     (``target id - draft id``) back to target ids."""
-    out = {"fc.weight": _fc_columns(state["fc.weight"], sorted(fuse_layers), fuse_layers),
+    out = {"fc.weight": fc_columns(state["fc.weight"], sorted(fuse_layers), fuse_layers),
            "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
     for key in EAGLE3_LAYER_KEYS:
         out[f"layer.{key}"] = state[f"{layer_prefix}{key}"]
@@ -98,7 +98,7 @@ def eagle3_to_ours(state: dict[str, torch.Tensor], layer_prefix: str,
     return out
 
 
-def _fc_columns(w: torch.Tensor, order: list[int], want: list[int]) -> torch.Tensor:
+def fc_columns(w: torch.Tensor, order: list[int], want: list[int]) -> torch.Tensor:
     """``fc.weight (H, k*H)`` whose column blocks follow layer ids ``order``, reordered to
     ``want``."""
     blocks = w.chunk(len(order), dim=1)

@@ -24,7 +24,7 @@ from heads.exports import (
     EAGLE3_LAYER_PREFIX,
     MEDUSA_WEIGHTS,
     WEIGHTS,
-    _fc_columns,
+    fc_columns,
     rename_prefix,
 )
 from heads.package import DraftPackage
@@ -164,7 +164,7 @@ def _ours_to_eagle3(state: dict[str, torch.Tensor], layer_prefix: str,
     """draftsmith eagle3 names -> an EAGLE-3 layout's; ``fc`` columns in ascending layer order
     (the order engines concatenate the captured layers in); ``d2t`` as offsets
     ``target id - draft id`` (vLLM, SGLang and speculators add it to the draft id)."""
-    out = {"fc.weight": _fc_columns(state["fc.weight"], fuse_layers, sorted(fuse_layers)),
+    out = {"fc.weight": fc_columns(state["fc.weight"], fuse_layers, sorted(fuse_layers)),
            "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
     for key in EAGLE3_LAYER_KEYS:
         out[f"{layer_prefix}{key}"] = state[f"layer.{key}"]
@@ -188,11 +188,15 @@ def medusa_to_reference(state: dict[str, torch.Tensor], num_layers: int) -> dict
     return out
 
 
+def _cpu(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies: float tensors in ``dtype``, integer and bool tensors (``d2t``,
+    ``t2d``) as they are."""
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype)
+            .contiguous().clone() for k, v in state.items()}
+
+
 def _save(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
-    """Float tensors in ``dtype``; integer and bool tensors (``d2t``, ``t2d``) as they are."""
-    save_file({k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype)
-               .contiguous().clone() for k, v in state.items()},
-              str(path), metadata={"format": "pt"})
+    save_file(_cpu(state, dtype), str(path), metadata={"format": "pt"})
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -256,18 +260,13 @@ REFERENCE_FILES = {"eagle": "pytorch_model.bin", "medusa": "medusa_lm_head.pt"}
 REFERENCE_WITH_EMBEDDING = ("pytorch_model.bin",)
 
 
-def _save_reference(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
-    torch.save({k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()},
-               path)
-
-
 def _write_medusa(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
     dtype, verifier = opts.dtype, opts.verifier
     cfg, ident = pkg.head_config, pkg.info["target"]
     state = medusa_to_reference(pkg.module.state_dict(), cfg.num_layers)
     _save(state, tmp / MEDUSA_WEIGHTS, dtype)
     if opts.reference_files:
-        _save_reference(state, tmp / REFERENCE_FILES["medusa"], dtype)
+        torch.save(_cpu(state, dtype), tmp / REFERENCE_FILES["medusa"])
     _write_json(tmp / "config.json", {
         "architectures": ["MedusaModel"], "model_type": "medusa",
         "medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
@@ -285,7 +284,7 @@ def _write_eagle(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
     _save(state, tmp / WEIGHTS, dtype)
     if opts.reference_files:  # the reference EAGLE model keeps the embedding in the head file
         emb = {"embed_tokens.weight": pkg.module.embed_tokens.weight}
-        _save_reference({**state, **emb}, tmp / REFERENCE_FILES["eagle"], dtype)
+        torch.save(_cpu({**state, **emb}, dtype), tmp / REFERENCE_FILES["eagle"])
     cfg = _layer_config(pkg.info["target_config"])
     cfg.update(architectures=[EAGLE_ARCH[engine]], bias="fc.bias" in state,
                torch_dtype=str(dtype).removeprefix("torch."))
@@ -309,11 +308,17 @@ def _eagle3_config(pkg: DraftPackage, dtype: torch.dtype, engine: str = "vllm") 
                        "use_aux_hidden_state": True}
 
 
-def _write_eagle3(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
-    _refuse(eagle3_incompatibilities(pkg), "EAGLE-3")
-    state = _ours_to_eagle3(pkg.module.state_dict(), EAGLE3_LAYER_PREFIX["eagle3"],
+def _save_eagle3(pkg: DraftPackage, tmp: Path, opts: WriteOptions, fmt: str, name: str) -> None:
+    """Refuse what the EAGLE-3 layout cannot express, then write the weights under ``fmt``'s
+    layer prefix."""
+    _refuse(eagle3_incompatibilities(pkg), name)
+    state = _ours_to_eagle3(pkg.module.state_dict(), EAGLE3_LAYER_PREFIX[fmt],
                             list(pkg.head_config.fuse_layers))
     _save(state, tmp / WEIGHTS, opts.dtype)
+
+
+def _write_eagle3(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
+    _save_eagle3(pkg, tmp, opts, "eagle3", "EAGLE-3")
     cfg, eagle = _eagle3_config(pkg, opts.dtype, opts.engine)
     cfg.update(architectures=["LlamaForCausalLMEagle3"], eagle_config=eagle,
                norm_before_residual=False)
@@ -339,10 +344,7 @@ def _speculators_config(pkg: DraftPackage, opts: WriteOptions, algorithm: str) -
 
 
 def _write_speculators_eagle3(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
-    _refuse(eagle3_incompatibilities(pkg), "speculators 'eagle3'")
-    state = _ours_to_eagle3(pkg.module.state_dict(), EAGLE3_LAYER_PREFIX["speculators"],
-                            list(pkg.head_config.fuse_layers))
-    _save(state, tmp / WEIGHTS, opts.dtype)
+    _save_eagle3(pkg, tmp, opts, "speculators", "speculators 'eagle3'")
     import transformers
     layer_cfg, eagle = _eagle3_config(pkg, opts.dtype)
     _write_json(tmp / "config.json", {
