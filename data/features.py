@@ -6,11 +6,16 @@ replace 49,152 logits.
 
 Layout of a cache directory:
     ``shard-00000.safetensors``: ``input_ids (N,) int32``, ``loss_mask (N,) bool``,
-    ``offsets (n_seq+1,) int64``, ``hidden (N, H)`` fp16/bf16 and ``layer_{i} (N, H)`` for chosen
-    layer ids (``hidden_states[i]``; 0 = embeddings). The last id (``num_layers``) is the final
-    hidden state itself (transformers returns the final-norm output there), so it is not stored
-    twice: ``hidden`` serves it (an EAGLE-3 head fusing low, mid and final layers caches three
-    H-wide rows per token, 3,461 bytes for SmolLM2-135M).
+    ``offsets (n_seq+1,) int64``, ``hidden (N, H)`` fp16/bf16, ``teacher_lse (N,) float32`` and
+    ``layer_{i} (N, H)`` for chosen layer ids (``hidden_states[i]``; 0 = embeddings).
+    ``teacher_lse`` is the log-normaliser ``logsumexp(lm_head(hidden))`` of the teacher at
+    temperature 1, computed from the stored (rounded) hidden state exactly as training computes the
+    teacher's logits: a draft over a reduced vocabulary then needs only its own rows of the LM head
+    (``log p = lm_head[d2t](h) - teacher_lse``), not a vocabulary-wide softmax per token and epoch.
+    The last layer id (``num_layers``) is the final hidden state itself (transformers returns the
+    final-norm output there), so it is not stored twice: ``hidden`` serves it (an EAGLE-3 head
+    fusing low, mid and final layers caches three H-wide rows per token, 3,465 bytes for
+    SmolLM2-135M).
     ``spec.json``: target identity and a fingerprint of the inputs (written first).
     ``manifest.json``: identity, layer ids, dtype, per-shard counts and sha256, bytes_per_token
     (written last: its presence means the cache is complete).
@@ -31,13 +36,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from data.target import TargetIdentity, TargetMismatchError, sha256_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: teacher_lse per token
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -65,7 +69,8 @@ def inputs_fingerprint(rows: Sequence[dict]) -> str:
 @torch.no_grad()
 def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
              dtype: torch.dtype, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """Run the target on right-padded rows; returns per-row ``hidden (T,H)`` and layers."""
+    """Run the target on right-padded rows; returns per-row ``hidden (T,H)``, ``teacher_lse (T,)``
+    (from the hidden state as stored) and layers."""
     device = next(model.parameters()).device
     lens = [len(r["input_ids"]) for r in rows]
     ids = torch.full((len(rows), max(lens)), pad_id, dtype=torch.long)
@@ -75,6 +80,7 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
         attn[b, : lens[b]] = 1
     n_layers = model.config.num_hidden_layers
     layers = [i for i in layers if i != n_layers]  # hidden_states[n_layers] is the final hidden
+    lm_head = model.get_output_embeddings().weight
     out = model.model(input_ids=ids.to(device), attention_mask=attn.to(device),
                       output_hidden_states=bool(layers), use_cache=False)
     hidden = out.last_hidden_state  # (B, T, H) final-norm output
@@ -91,7 +97,19 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
                 raise FeatureCacheError(
                     f"'{k}' overflows {dtype}; use cache dtype 'bfloat16' instead")
             item[k] = cast.cpu()
+        item["teacher_lse"] = teacher_log_normalizer(item["hidden"], lm_head).cpu()
     return res
+
+
+@torch.no_grad()
+def teacher_log_normalizer(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                           chunk: int = 256) -> torch.Tensor:
+    """``(T,)`` float32 ``logsumexp`` of :func:`teacher_logits` (temperature 1) per row of
+    ``hidden (T, H)``, in chunks of rows (never all (T, V) logits at once)."""
+    w = lm_head_weight
+    parts = [torch.logsumexp(teacher_logits(h.to(w.device), w), dim=-1).cpu()
+             for h in hidden.split(chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def _write_shard(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
@@ -125,7 +143,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                         shard_size: int = 256, progress: bool = True,
                         on_shard: Callable[[int], None] | None = None,
                         ranks: tuple[int, int, Callable[[], None]] | None = None,
-                        online: bool = False) -> dict[str, Any]:
+                        online: bool = False, local: bool = False) -> dict[str, Any]:
     """Run the target once over tokenized rows and store its hidden states as shards.
 
     Args:
@@ -144,9 +162,14 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             process would write (same rows, batches and order).
         online: store the tokens only (5 bytes per token); :class:`OnlineFeatures` computes the
             hidden states of each batch with the target during training.
+        local: with ``ranks``, ``out_dir`` is a folder on each machine's own disk: every rank
+            keeps its spec, its own shards and the whole manifest (the ranks' shard records
+            gathered over ``torch.distributed``) there, and nothing else; ranks then read only
+            their own shards (``FeatureDataset(..., rank=, world=)``).
 
     Returns:
-        The manifest dict (also written to ``manifest.json``).
+        The manifest dict (also written to ``manifest.json``). ``token_counts.safetensors``
+        beside it holds the counts of the loss-masked token ids of all rows.
 
     Raises:
         TargetMismatchError: the directory holds a cache of another target or tokenizer.
@@ -170,30 +193,22 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             "inputs_sha256": inputs_fingerprint(rows), "sequences": len(rows)}
     if online:
         spec["online"] = True
-    spec_path, manifest_path = out / "spec.json", out / "manifest.json"
     rank, world, barrier = ranks if ranks is not None else (0, 1, lambda: None)
-    if rank != 0:
-        barrier()  # rank 0 checks or writes the spec first
-    if spec_path.exists():
-        old = json.loads(spec_path.read_text())
-        TargetIdentity.from_dict(old["target"]).check_compatible(
-            target.identity, where=f"feature cache {out}")
-        diff = sorted(k for k in spec if k != "target" and old.get(k) != spec[k])
-        if diff:
-            raise FeatureCacheError(
-                f"{out} holds a feature cache built with different {diff}; "
-                "delete it or choose another directory")
-        if manifest_path.exists():
-            if rank == 0 and world > 1:
-                barrier()
-            return json.loads(manifest_path.read_text())
+    local = local and world > 1
+    if local:  # every machine checks its own folder; all must find the cache complete to skip
+        manifest = _check_or_write_spec(out, spec, target)
+        if all(all_gather(manifest is not None, world)):
+            return manifest
     else:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = spec_path.with_name(f"spec.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(spec, indent=2))
-        os.replace(tmp, spec_path)
-    if rank == 0 and world > 1:
-        barrier()
+        if rank != 0:
+            barrier()  # rank 0 checks or writes the spec first
+        manifest = _check_or_write_spec(out, spec, target) if rank == 0 else None
+        if rank == 0 and world > 1:
+            barrier()
+        if rank != 0:
+            manifest = _check_or_write_spec(out, spec, target)
+        if manifest is not None:
+            return manifest
 
     model = target.model.eval()
     pad_id = getattr(model.config, "pad_token_id", None) or 0
@@ -206,7 +221,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     hidden = target.identity.hidden_size
     elem = torch.finfo(DTYPES[dtype]).bits // 8
     per_token = 5 if online else bytes_per_token(hidden, elem, layers, n_layers)
-    if todo and rank == 0:
+    if todo and (rank == 0 or local):
         check_space(out, sum(ntok) * per_token, (sum(ntok) - done) * per_token, sum(ntok),
                     per_token)
     bar = tqdm(total=sum(ntok), initial=done, desc=f"feature cache ({n_shards} shards)",
@@ -220,35 +235,96 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     if world > 1:
         log.info("rank %d of %d wrote shards %s of %s", rank, world, mine, out)
         barrier()  # every rank's shards are written
-        if rank != 0:
+        if rank != 0 and not local:
             barrier()  # rank 0 writes the manifest
-            return json.loads(manifest_path.read_text())
+            return json.loads((out / "manifest.json").read_text())
 
-    shards = []
-    for k in range(n_shards):
+    def record(k: int) -> dict[str, Any]:
         chunk = rows[k * shard_size:(k + 1) * shard_size]
-        shards.append({"file": shard_name(k), "sequences": len(chunk),
-                       "tokens": int(sum(len(r["input_ids"]) for r in chunk)),
-                       "sha256": sha256_file(out / shard_name(k))})
+        return {"file": shard_name(k), "sequences": len(chunk),
+                "tokens": int(sum(len(r["input_ids"]) for r in chunk)),
+                "sha256": sha256_file(out / shard_name(k))}
+
+    if local:  # each rank hashes the shards on its own disk; all ranks learn every record
+        owned = [k for k in range(n_shards) if k % world == rank]
+        shards = [r for k, r in sorted(kv for part in all_gather(
+            [(k, record(k)) for k in owned], world) for kv in part)]
+    else:
+        shards = [record(k) for k in range(n_shards)]
     manifest = {**{k: spec[k] for k in ("format_version", "target", "layers", "dtype",
                                         "inputs_sha256")},
                 "hidden_size": hidden, "sequences": len(rows),
                 "tokens": int(sum(s["tokens"] for s in shards)), "shards": shards,
-                "bytes_per_token": per_token, "online": online}
-    tmp = manifest_path.with_name(f"manifest.json.tmp-{os.getpid()}")
+                "bytes_per_token": per_token, "online": online,
+                "shard_owner": "shard k of rank k % world" if local else None,
+                "world": world if local else None}
+    _write_token_counts(rows, target.identity.vocab_size, out)
+    manifest["token_counts_sha256"] = sha256_file(out / TOKEN_COUNTS)
+    tmp = out / f"manifest.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, manifest_path)
-    if world > 1:
+    os.replace(tmp, out / "manifest.json")
+    if world > 1 and not local:
         barrier()
     return manifest
+
+
+TOKEN_COUNTS = "token_counts.safetensors"
+
+
+def _write_token_counts(rows: Sequence[dict], vocab_size: int, out: Path) -> None:
+    """``token_counts.safetensors``: ``counts (V,) int64`` of the loss-masked token ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        ids = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        ids = ids[torch.as_tensor(r["loss_mask"], dtype=torch.bool)]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise FeatureCacheError(f"token ids outside 0..{vocab_size - 1}: the rows were made "
+                                    "with another tokenizer than the target's")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    tmp = out / f"{TOKEN_COUNTS}.tmp-{os.getpid()}"
+    save_file({"counts": counts}, str(tmp))
+    os.replace(tmp, out / TOKEN_COUNTS)
+
+
+def _check_or_write_spec(out: Path, spec: dict, target: Any) -> dict | None:
+    """Check the folder's spec against ``spec`` (refusing another target or other inputs) and
+    return its manifest when the cache is complete; write the spec into a new folder."""
+    spec_path, manifest_path = out / "spec.json", out / "manifest.json"
+    if spec_path.exists():
+        old = json.loads(spec_path.read_text())
+        TargetIdentity.from_dict(old["target"]).check_compatible(
+            target.identity, where=f"feature cache {out}")
+        diff = sorted(k for k in spec if k != "target" and old.get(k) != spec[k])
+        if diff:
+            raise FeatureCacheError(
+                f"{out} holds a feature cache built with different {diff}; "
+                "delete it or choose another directory")
+        return json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = spec_path.with_name(f"spec.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(spec, indent=2))
+    os.replace(tmp, spec_path)
+    return None
+
+
+def all_gather(obj: Any, world: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (a torch.distributed collective; one rank: [obj])."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, obj)
+    return got
 
 
 def bytes_per_token(hidden_size: int, elem_bytes: int, layers: Sequence[int],
                     num_layers: int) -> int:
     """Cache bytes per token: the final hidden state, each extra layer other than the final one
-    (``num_layers``, served by the final hidden state), an int32 id and a bool mask."""
+    (``num_layers``, served by the final hidden state), the float32 teacher log-normaliser, an
+    int32 id and a bool mask."""
     extra = sum(1 for i in set(layers) if i != num_layers)
-    return hidden_size * elem_bytes * (1 + extra) + 4 + 1
+    return hidden_size * elem_bytes * (1 + extra) + 4 + 4 + 1
 
 
 ONLINE_ADVICE_BYTES = 100 * 10**9  # caches above this size get the advice to go online
@@ -270,178 +346,6 @@ def check_space(out: Path, total: int, remaining: int, tokens: int, per_token: i
             f"the feature cache {out} needs {remaining / 1e9:.2f} GB more but its disk has "
             f"{free / 1e9:.2f} GB free: free some space, put data.cache.dir on a larger disk, or "
             "cache fewer tokens (data.num_conversations, data.max_length)")
-
-
-def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a complete cache (FeatureCacheError when missing)."""
-    path = Path(cache_dir) / "manifest.json"
-    if not path.exists():
-        raise FeatureCacheError(f"{cache_dir} is not a complete feature cache (no manifest.json); "
-                                "build it with build_feature_cache")
-    return json.loads(path.read_text())
-
-
-def verify_cache(cache_dir: str | Path) -> None:
-    """Check every shard's sha256 against the manifest (FeatureCacheError naming the file)."""
-    m = read_manifest(cache_dir)
-    for s in m["shards"]:
-        p = Path(cache_dir) / s["file"]
-        if not p.exists() or sha256_file(p) != s["sha256"]:
-            raise FeatureCacheError(f"shard {p} is missing or does not match its sha256")
-
-
-class FeatureDataset(torch.utils.data.Dataset):
-    """Sequences of a feature cache, read lazily from the shards.
-
-    Each item: ``input_ids (T,) long``, ``loss_mask (T,) bool``, ``hidden (T, H)`` fp16/bf16 and,
-    when the cache has extra layers, ``layers (L, T, H)``.
-    """
-
-    def __init__(self, cache_dir: str | Path, target: TargetIdentity | None = None) -> None:
-        self.dir = Path(cache_dir)
-        self.manifest = read_manifest(self.dir)
-        self.identity = TargetIdentity.from_dict(self.manifest["target"])
-        if target is not None:
-            self.identity.check_compatible(target, where=f"feature cache {self.dir}")
-        self.layers: list[int] = self.manifest["layers"]
-        counts = [s["sequences"] for s in self.manifest["shards"]]
-        self._starts = np.concatenate([[0], np.cumsum(counts)])
-        self._offsets: dict[int, np.ndarray] = {}
-        self._handles: dict[int, Any] = {}
-
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    def _shard(self, k: int) -> Any:
-        if k not in self._handles:  # opened lazily, so DataLoader workers open their own
-            f = safe_open(str(self.dir / self.manifest["shards"][k]["file"]), framework="pt")
-            self._handles[k] = f
-            self._offsets[k] = f.get_tensor("offsets").numpy()
-        return self._handles[k]
-
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        if not 0 <= idx < len(self):
-            raise IndexError(f"index {idx} out of range for {len(self)} sequences")
-        k = int(np.searchsorted(self._starts, idx, side="right") - 1)
-        f = self._shard(k)
-        j = idx - int(self._starts[k])
-        a, b = int(self._offsets[k][j]), int(self._offsets[k][j + 1])
-        item = {"input_ids": f.get_slice("input_ids")[a:b].long(),
-                "loss_mask": f.get_slice("loss_mask")[a:b]}
-        if self.manifest.get("online"):
-            return item  # tokens only: OnlineFeatures adds the hidden states per batch
-        item["hidden"] = f.get_slice("hidden")[a:b]
-        if self.layers:
-            final = self.identity.num_layers
-            item["layers"] = torch.stack([item["hidden"] if i == final
-                                          else f.get_slice(f"layer_{i}")[a:b]
-                                          for i in self.layers])
-        return item
-
-    def token_counts(self, vocab_size: int) -> torch.Tensor:
-        """``(vocab_size,)`` counts of the loss-masked tokens (what a draft learns to predict),
-        read shard by shard without the hidden states."""
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for k in range(len(self.manifest["shards"])):
-            f = self._shard(k)
-            ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-                raise FeatureCacheError(f"{self.dir}: token ids outside 0..{vocab_size - 1}; the "
-                                        "cache was built for another vocabulary")
-            counts += torch.bincount(ids, minlength=vocab_size)
-        return counts
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_handles"] = {}
-        return state
-
-
-class OnlineFeatures(torch.utils.data.Dataset):
-    """A tokens-only cache whose hidden states the target computes per batch, in
-    :meth:`collate` (``data.features=online``): for caches too large for the disk.
-
-    The features are those :func:`build_feature_cache` would store (the same forward and the same
-    cast to the cache dtype), computed for each batch as it is drawn; items and batches look like
-    :class:`FeatureDataset`'s.
-    """
-
-    def __init__(self, tokens: FeatureDataset, model: torch.nn.Module) -> None:
-        if not tokens.manifest.get("online"):
-            raise FeatureCacheError(f"{tokens.dir} is an offline feature cache; open it with "
-                                    "FeatureDataset (or rebuild with data.features=online)")
-        self.tokens, self.model = tokens, model
-        self.layers, self.manifest, self.dir = tokens.layers, tokens.manifest, tokens.dir
-        self.dtype = DTYPES[tokens.manifest["dtype"]]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        return self.tokens[idx]
-
-    def token_counts(self, vocab_size: int) -> torch.Tensor:
-        return self.tokens.token_counts(vocab_size)
-
-    @torch.no_grad()
-    def collate(self, batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Run the target on the batch, then :func:`collate_features`."""
-        final = self.model.config.num_hidden_layers
-        pad_id = getattr(self.model.config, "pad_token_id", None) or 0
-        rows = [{"input_ids": x["input_ids"].tolist()} for x in batch]
-        feats = _forward(self.model, rows, self.layers, self.dtype, pad_id)
-        items = []
-        for x, f in zip(batch, feats):
-            item = {**x, "hidden": f["hidden"]}
-            if self.layers:
-                item["layers"] = torch.stack([f["hidden"] if i == final else f[f"layer_{i}"]
-                                              for i in self.layers])
-            items.append(item)
-        return collate_features(items)
-
-
-def open_features(cache_dir: str | Path, model: torch.nn.Module | None = None
-                  ) -> FeatureDataset | OnlineFeatures:
-    """The dataset of a cache: :class:`FeatureDataset`, or :class:`OnlineFeatures` over the
-    target ``model`` for a tokens-only (online) cache."""
-    ds = FeatureDataset(cache_dir)
-    if not ds.manifest.get("online"):
-        return ds
-    if model is None:
-        raise FeatureCacheError(f"{cache_dir} stores tokens only (data.features=online): its "
-                                "hidden states need the target model")
-    return OnlineFeatures(ds, model)
-
-
-def collate_features(batch: Sequence[dict[str, torch.Tensor]], pad_id: int = 0
-                     ) -> dict[str, torch.Tensor]:
-    """Right-pad a list of `FeatureDataset` items to the longest sequence.
-
-    Returns:
-        ``input_ids (B, T)``, ``loss_mask (B, T)`` (False on padding), ``attention_mask (B, T)``,
-        ``hidden (B, T, H)`` and, if present, ``layers (B, L, T, H)``.
-    """
-    if not batch:
-        raise ValueError("cannot collate an empty batch")
-    lens = [len(x["input_ids"]) for x in batch]
-    B, T = len(batch), max(lens)
-    H = batch[0]["hidden"].shape[-1]
-    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long),
-           "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-           "attention_mask": torch.zeros(B, T, dtype=torch.long),
-           "hidden": torch.zeros(B, T, H, dtype=batch[0]["hidden"].dtype)}
-    has_layers = "layers" in batch[0]
-    if has_layers:
-        L = batch[0]["layers"].shape[0]
-        out["layers"] = torch.zeros(B, L, T, H, dtype=batch[0]["layers"].dtype)
-    for b, (x, n) in enumerate(zip(batch, lens)):
-        out["input_ids"][b, :n] = x["input_ids"]
-        out["loss_mask"][b, :n] = x["loss_mask"]
-        out["attention_mask"][b, :n] = 1
-        out["hidden"][b, :n] = x["hidden"]
-        if has_layers:
-            out["layers"][b, :, :n] = x["layers"]
-    return out
 
 
 def teacher_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -477,12 +381,8 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 __all__ = [
     "FeatureCacheError",
-    "FeatureDataset",
     "TargetMismatchError",
     "build_feature_cache",
-    "collate_features",
-    "read_manifest",
     "scale_logits",
     "teacher_logits",
-    "verify_cache",
 ]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from data.chat import split_conversations, tokenize_conversations
-from data.features import FeatureCacheError, build_feature_cache
+from data.features import FORMAT_VERSION, FeatureCacheError, all_gather, build_feature_cache
 from data.regenerate import regenerate_conversations
 from data.sharegpt import read_sharegpt
 
@@ -19,7 +19,8 @@ DEFAULTS: dict[str, Any] = {
     "split": {"val": 0.02, "test": 0.02},
     "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
                    "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None},
-    "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256},
+    "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256,
+              "local": False},
     "features": "offline",
 }
 
@@ -99,14 +100,19 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     # regenerated replies) are not the fp32 target's, although its identity is the same
     target_dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     key_src.update(cache={k: c["cache"][k] for k in ("dtype", "shard_size")}, layers=all_layers,
-                   target_dtype=target_dtype,
+                   target_dtype=target_dtype, format_version=FORMAT_VERSION,
                    target=target.identity.to_dict())
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(out_dir or c["cache"]["dir"] or default_feature_root()) / key
     train_dir, val_dir, report_path = root / "train", root / "val", root / "report.json"
-    if report_path.exists() and all((d / "manifest.json").exists() for d in (train_dir, val_dir)):
-        return train_dir, val_dir, json.loads(report_path.read_text())
     rank, world, barrier = ranks if ranks is not None else (0 if is_main else 1, 1, lambda: None)
+    # data.cache.local: the folder is on each machine's own disk, so every rank decides and
+    # writes for itself what one main process does for a shared folder
+    local = bool(c["cache"]["local"]) and world > 1
+    complete = report_path.exists() and all((d / "manifest.json").exists()
+                                            for d in (train_dir, val_dir))
+    if all(all_gather(complete, world)) if local else complete:
+        return train_dir, val_dir, json.loads(report_path.read_text())
     if rank != 0 and ranks is None:
         raise FeatureCacheError(f"feature cache {root} is not complete; the main process builds it")
     if target.tokenizer is None:
@@ -135,7 +141,9 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
                 part = regenerated(part)
             if world > 1:
                 barrier()
-            if rank != 0:
+            if local:  # ... which is on rank 0's disk only: rank 0 sends the conversations
+                part = all_gather(part if rank == 0 else None, world)[0]
+            elif rank != 0:
                 part = regenerated(part)
         ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
         if len(ds) == 0:
@@ -145,10 +153,10 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
                                   dtype=c["cache"]["dtype"], batch_size=c["cache"]["batch_size"],
                                   shard_size=c["cache"]["shard_size"], progress=rank == 0,
                                   ranks=(rank, world, barrier) if world > 1 else None,
-                                  online=c["features"] == "online")
+                                  online=c["features"] == "online", local=local)
         report[split] = {"tokenize": tok_rep.to_dict(), "sequences": man["sequences"],
                          "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"]}
-    if rank == 0:
+    if rank == 0 or local:
         tmp = report_path.with_name(f"report.json.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(report, indent=2))
         os.replace(tmp, report_path)

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.sharegpt import Conversation
+from data.target import native_gqa
 
 
 def _load_done(path: Path) -> dict[str, Conversation]:
@@ -52,7 +53,12 @@ def _first_prompt_chars(messages: Sequence[dict[str, str]]) -> int:
 @torch.no_grad()
 def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature: float,
               max_new_tokens: int) -> list[str]:
-    """Left-pad and generate a batch; returns the decoded replies (special tokens removed)."""
+    """Left-pad and generate a batch; returns the decoded replies (special tokens removed).
+
+    The KV cache is preallocated (``cache_implementation="static"``) and attention uses torch's
+    native grouped-query attention: a growing cache re-concatenated every step (70% of a batched
+    step at 128 rows) and the per-layer copy that repeats the KV heads were most of the time of a
+    large batch on a CPU. Greedy outputs are unchanged (identical tokens in fp32, tested)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad, dtype=torch.long)
@@ -64,9 +70,11 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature:
     kw: dict[str, Any] = {"do_sample": temperature > 0}
     if temperature > 0:
         kw.update(temperature=temperature, top_k=0, top_p=1.0)
-    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                         max_new_tokens=max_new_tokens, pad_token_id=pad,
-                         eos_token_id=tokenizer.eos_token_id, **kw)
+    with native_gqa(device.type == "cpu"):
+        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                             max_new_tokens=max_new_tokens, pad_token_id=pad,
+                             eos_token_id=tokenizer.eos_token_id, cache_implementation="static",
+                             **kw)
     return [tokenizer.decode(o[T:], skip_special_tokens=True).strip() for o in out.cpu()]
 
 

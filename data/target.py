@@ -8,11 +8,13 @@ can be given as ``path`` instead.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ PACKAGED_NAME = "SmolLM2-135M-Instruct"
 IDENTITY_FILE = "draftsmith_target.json"
 _GGUF_MAGIC = b"GGUF"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 class TargetMismatchError(ValueError):
@@ -316,3 +319,29 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
     if str(path).startswith((".", "/", "~")) or str(path).count("/") > 1:
         raise TargetNotFoundError(f"target path {path} does not exist")
     return _load_hf(str(path), dtype, None, str(path))
+
+
+@contextlib.contextmanager
+def native_gqa(enabled: bool = True) -> Iterator[None]:
+    """Let transformers' SDPA attention use torch's native grouped-query attention for this call.
+
+    For a multi-token forward with a mask (every verify forward: a cache is present), transformers'
+    SDPA path copies each layer's whole key/value cache to repeat the KV heads (``repeat_kv``),
+    because on CUDA a masked GQA call falls back to the math kernel. On CPU the masked
+    ``enable_gqa=True`` call is fine, and skipping the copy makes verification cheaper the longer
+    the context (the outputs are the same). transformers reads
+    ``TRANSFORMERS_SDPA_FORCE_GQA`` per call; this sets it for the duration of the block only,
+    so nothing else in the process (transformers' own ``generate`` included) is affected.
+    """
+    if not enabled:
+        yield
+        return
+    old = os.environ.get(FORCE_GQA_ENV)
+    os.environ[FORCE_GQA_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[FORCE_GQA_ENV]
+        else:
+            os.environ[FORCE_GQA_ENV] = old

@@ -141,7 +141,8 @@ def bench_caching(cfg: DictConfig) -> list[dict]:
     """Cached tokens/s per (target dtype, batch size), and each cache's teacher total variation
     against the fp32 target's own distribution."""
     from data.chat import tokenize_conversations
-    from data.features import FeatureDataset, build_feature_cache
+    from data.feature_data import FeatureDataset
+    from data.features import build_feature_cache
     from data.sharegpt import read_sharegpt
     from data.target import load_target
 

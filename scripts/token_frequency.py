@@ -34,7 +34,7 @@ def add_token_frequency(pkg_dir: str | Path, train_cache: str | Path | None = No
         train_cache: the ``train`` folder of a feature cache to count (its target must be the
             package's); None rebuilds or reuses the split named by ``training_config.yaml``.
     """
-    from data.features import FeatureDataset
+    from data.feature_data import FeatureDataset
     from data.prepare import prepare_data
     from data.target import load_target
     from data.tiny import target_path_from_config

@@ -108,7 +108,8 @@ RESUME_FREE_KEYS = ("name", "out_dir", "logging", "train.log_every", "train.eval
                     "train.eval_batches", "train.save_every", "train.keep_checkpoints",
                     "train.resume", "train.count_flops", "train.cpu_threads",
                     "train.dist_timeout_s", "train.cache_wait_s",
-                    "train.teacher_logits_budget", "train.teacher_per_token", "data.cache.dir",
+                    "train.teacher_logits_budget", "train.teacher_per_token", "train.teacher_lse",
+                    "data.cache.dir",
                     "target.name")
 # May grow (a longer run continues the same one); a smaller value is a difference.
 GROWING_KEYS = ("train.max_steps",)

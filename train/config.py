@@ -5,9 +5,11 @@ line fails in a second instead of after the feature cache has been built.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from heads.family import FAMILIES, get_family
@@ -16,6 +18,7 @@ from train.losses import LOSS_TERMS  # the terms DistillLoss computes, listed on
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 TARGET_DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_WITH = ("tensorboard", "wandb", "none")
+log = logging.getLogger("draftsmith.distill")
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,7 @@ def validate_config(cfg: DictConfig) -> None:
                 "train.eval_every", "train.save_every", "train.log_every"):
         _positive(cfg, key)
     _positive(cfg, "train.keep_checkpoints")
+    _positive(cfg, "train.bucket_batches", allow_zero=True)
     _positive(cfg, "train.max_grad_norm", float, allow_zero=True)
     for key in ("train.dist_timeout_s", "train.cache_wait_s"):
         if OmegaConf.select(cfg, key) is not None:
@@ -96,3 +100,21 @@ def validate_against_target(cfg: DictConfig, vocab_size: int, hidden_size: int,
             OmegaConf.to_container(cfg.draft, resolve=True), vocab_size, hidden_size, num_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def resolve_auto_dtypes(cfg: DictConfig) -> None:
+    """Replace ``target.dtype=auto`` and ``train.mixed_precision=auto`` in place by the dtype
+    measured fastest here (``data.dtype.fastest_dtype``), so the package's config records what
+    ran. On CUDA, auto means bf16."""
+    from data.dtype import fastest_dtype
+
+    wants = cfg.target.dtype == "auto" or cfg.train.mixed_precision == "auto"
+    if not wants:
+        return
+    fast = "bfloat16" if torch.cuda.is_available() else fastest_dtype("cpu")
+    if cfg.target.dtype == "auto":
+        cfg.target.dtype = fast
+    if cfg.train.mixed_precision == "auto":
+        cfg.train.mixed_precision = "bf16" if fast == "bfloat16" else "no"
+    log.info("dtype=auto: measured %s fastest here -> target.dtype=%s train.mixed_precision=%s",
+             fast, cfg.target.dtype, cfg.train.mixed_precision)

@@ -30,12 +30,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.features import open_features, teacher_logits
+from data.feature_data import open_features
+from data.features import teacher_logits
 from train import checkpoint as ckpt
 from train.config import (
     MIXED_PRECISION,
     TARGET_DTYPES,
     ConfigError,
+    resolve_auto_dtypes,
     validate_against_target,
     validate_config,
 )
@@ -47,6 +49,7 @@ from train.runtime import (
     main_process_first,
     make_accelerator,
     make_epoch_loader,
+    own_batch_count,
     peer_lost,
     rank_placement,
     reexec_with_tuned_malloc,
@@ -60,24 +63,6 @@ TRAIN_SPLIT_SOURCE = "training split: target ids at loss-masked positions"
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or inf; the run stops before the optimizer touches the weights."""
-
-
-def resolve_auto_dtypes(cfg: DictConfig) -> None:
-    """Replace ``target.dtype=auto`` and ``train.mixed_precision=auto`` in place by the dtype
-    measured fastest here (``data.dtype.fastest_dtype``), so the package's config records what
-    ran. On CUDA, auto means bf16."""
-    from data.dtype import fastest_dtype
-
-    wants = cfg.target.dtype == "auto" or cfg.train.mixed_precision == "auto"
-    if not wants:
-        return
-    fast = "bfloat16" if torch.cuda.is_available() else fastest_dtype("cpu")
-    if cfg.target.dtype == "auto":
-        cfg.target.dtype = fast
-    if cfg.train.mixed_precision == "auto":
-        cfg.train.mixed_precision = "bf16" if fast == "bfloat16" else "no"
-    log.info("dtype=auto: measured %s fastest here -> target.dtype=%s train.mixed_precision=%s",
-             fast, cfg.target.dtype, cfg.train.mixed_precision)
 
 
 class DistillRecipe:
@@ -127,9 +112,14 @@ class DistillRecipe:
         layers = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
         train_dir, val_dir, self.data_report = prepare_data(
             cfg.data, self.target, layers=layers, ranks=ranks)
-        self.train_set, self.val_set = (open_features(d, self.target.model)
+        # data.cache.local: every rank reads its own shards only (machine-local disks)
+        self.local = bool(cfg.data.cache.local) and acc.num_processes > 1
+        own = {"rank": acc.process_index, "world": acc.num_processes} if self.local else {}
+        self.train_set, self.val_set = (open_features(d, self.target.model, **own)
                                         for d in (train_dir, val_dir))
-        if len(self.train_set) < cfg.train.micro_batch_size * acc.num_processes:
+        batches = (self._own_batches(self.train_set, True) if self.local else
+                   len(self.train_set) // (cfg.train.micro_batch_size * acc.num_processes))
+        if batches == 0:
             raise ConfigError(
                 f"the training split has {len(self.train_set)} sequences, fewer than one global "
                 f"batch (train.micro_batch_size={cfg.train.micro_batch_size} x "
@@ -276,8 +266,10 @@ class DistillRecipe:
         if hidden.shape[0] * vocab > self.cfg.train.teacher_logits_budget:
             return None
         rows = [pos.teacher_index[pos.mask] for pos in outputs]
+        lse = batch.get("teacher_lse") if self.cfg.train.teacher_lse else None  # cache format 2
         return shared_teacher_log_probs(hidden, rows, self.lm_head, self.loss_fn.temperature,
-                                        self.draft.draft_to_target, self.loss_fn.renormalize)
+                                        self.draft.draft_to_target, self.loss_fn.renormalize,
+                                        log_normalizer=None if lse is None else lse.flatten())
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -289,7 +281,8 @@ class DistillRecipe:
         acc = self.accelerator
         sums = None
         loader = make_epoch_loader(self.val_set, self.cfg.train.micro_batch_size, seed=0, epoch=0,
-                                   shuffle=False, accelerator=acc, drop_last=False)
+                                   shuffle=False, accelerator=acc, drop_last=False,
+                                   own_batches=self._own_batches(self.val_set, False))
         limit = self.cfg.train.eval_batches
         temp = float(self.cfg.loss.temperature)
         for i, batch in enumerate(loader):
@@ -320,12 +313,19 @@ class DistillRecipe:
         while True:
             loader = make_epoch_loader(self.train_set, cfg.train.micro_batch_size, seed=cfg.seed,
                                        epoch=self.epoch, shuffle=True, accelerator=self.accelerator,
-                                       skip=self.batch_in_epoch)
+                                       skip=self.batch_in_epoch,
+                                       bucket_batches=cfg.train.bucket_batches,
+                                       own_batches=self._own_batches(self.train_set, True))
             for batch in loader:
                 self.batch_in_epoch += 1
                 yield batch
             self.epoch += 1
             self.batch_in_epoch = 0
+
+    def _own_batches(self, ds, drop_last: bool) -> int | None:
+        """Batches per rank of a machine-local cache (equal on every rank), else None."""
+        return own_batch_count(ds.manifest, self.accelerator.num_processes,
+                               self.cfg.train.micro_batch_size, drop_last) if self.local else None
 
     def train(self) -> dict:
         cfg = self.cfg

@@ -78,12 +78,18 @@ def target_to_draft_index(draft_to_target: Tensor, vocab_size: int) -> Tensor:
 @torch.no_grad()
 def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
                              temperature: float, draft_to_target: Tensor | None = None,
-                             renormalize: bool = False, chunk_size: int = 1024) -> list[Tensor]:
+                             renormalize: bool = False, chunk_size: int = 1024,
+                             log_normalizer: Tensor | None = None) -> list[Tensor]:
     """Teacher log-probabilities for several draft positions, each teacher row computed once.
 
     The teacher of draft position k at token t is the position-1 teacher of token t+k-1, so the
     positions of one batch read mostly the same rows of ``hidden``: the LM head and the
     vocabulary-wide softmax run once per distinct row instead of once per position.
+
+    With ``log_normalizer`` (the feature cache's ``teacher_lse``: the teacher's ``logsumexp`` at
+    temperature 1, computed when the cache was built) a reduced, not renormalised draft
+    vocabulary needs only the draft's rows of the LM head: ``log p = lm_head[d2t](h) - lse``,
+    with no vocabulary-wide logits or softmax (most of a training step's teacher cost).
 
     Args:
         hidden: (R, H) the batch's final hidden states, flattened over (B, T).
@@ -93,14 +99,23 @@ def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight:
         draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
         renormalize: see the module docstring.
         chunk_size: distinct rows per LM-head call (bounds the (chunk, V) logits held at once).
+        log_normalizer: (R,) float32 ``teacher_lse`` of each row of ``hidden``, or None. Used
+            only where it is exact: temperature 1, a reduced vocabulary, no renormalising.
 
     Returns:
         per position, (N_k, V_draft) float32 log-probabilities (as ``teacher_log_probs``).
     """
     flat = torch.cat([r.reshape(-1) for r in rows])
     unique, inverse = torch.unique(flat, return_inverse=True)
-    log_p = torch.cat([teacher_log_probs(hidden[c], temperature, lm_head_weight, draft_to_target,
-                                         renormalize) for c in unique.split(chunk_size)])
+    if (log_normalizer is not None and temperature == 1.0 and draft_to_target is not None
+            and not renormalize):
+        rows_w = lm_head_weight[draft_to_target]  # (V_draft, H): the draft's rows only
+        log_p = torch.cat([features.teacher_logits(hidden[c], rows_w) - log_normalizer[c, None]
+                           for c in unique.split(chunk_size)])
+    else:
+        log_p = torch.cat([teacher_log_probs(hidden[c], temperature, lm_head_weight,
+                                             draft_to_target, renormalize)
+                           for c in unique.split(chunk_size)])
     return [log_p[i] for i in inverse.split([r.numel() for r in rows])]
 
 

@@ -180,23 +180,56 @@ def peer_lost(error: BaseException, acc, timeout_s: float | None, out_dir: Path)
         f"{last if last is not None else 'the start (no checkpoint yet)'}")
 
 
+def epoch_order(lengths: list[int] | None, global_batch: int, seed: int, epoch: int,
+                shuffle: bool, bucket_batches: int = 0) -> list[int]:
+    """The order in which one epoch reads the sequences: a function of (seed, epoch) only.
+
+    With ``bucket_batches`` = k > 0 the shuffled order is cut into windows of k global batches,
+    each window sorted by sequence length (ties keep the shuffled order), cut into global batches,
+    and the full batches shuffled: a batch holds sequences of similar length, so little of it is
+    padding, and the batches still come in random order. The global batch (micro-batch x
+    processes) is the unit, so N processes see the same batches as one process with N times the
+    micro-batch.
+    """
+    n = len(lengths) if lengths is not None else 0
+    if not shuffle:
+        return list(range(n))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n, generator=gen).tolist()
+    if bucket_batches <= 0:
+        return order
+    window = global_batch * bucket_batches
+    order = [i for s in range(0, n, window)
+             for i in sorted(order[s: s + window], key=lengths.__getitem__)]
+    batches = [order[s: s + global_batch] for s in range(0, n, global_batch)]
+    full = [b for b in batches if len(b) == global_batch]
+    tail = [i for b in batches if len(b) < global_batch for i in b]  # stays last (drop_last)
+    return [i for k in torch.randperm(len(full), generator=gen).tolist() for i in full[k]] + tail
+
+
 def make_epoch_loader(dataset, batch_size: int, seed: int, epoch: int, shuffle: bool, accelerator,
-                      skip: int = 0, drop_last: bool = True):
+                      skip: int = 0, drop_last: bool = True, bucket_batches: int = 0,
+                      own_batches: int | None = None):
     """A prepared DataLoader over one epoch in a fixed order (seed, epoch) -> permutation.
 
-    Every process computes the same permutation; accelerate shards its batches across processes.
-    ``skip`` resumes mid-epoch exactly where a checkpoint was taken.
+    Every process computes the same order (:func:`epoch_order`; ``bucket_batches`` > 0 groups
+    sequences of similar length, read from ``dataset.lengths()``); accelerate shards its batches
+    across processes. ``skip`` resumes mid-epoch exactly where a checkpoint was taken.
+
+    ``own_batches``: ``dataset`` holds this rank's own shards only (a machine-local cache,
+    ``data.cache.local``): it is not sharded again, and every rank reads exactly this many
+    batches (the smallest rank's count, :func:`own_batch_count`), so collectives stay in step.
     """
     from accelerate.data_loader import prepare_data_loader, skip_first_batches
 
-    from data.features import collate_features
+    from data.feature_data import collate_features
 
-    n = len(dataset)
-    if shuffle:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(n, generator=gen).tolist()
-    else:
-        order = list(range(n))
+    world = 1 if own_batches is not None else accelerator.num_processes
+    lengths = (dataset.lengths() if shuffle and bucket_batches > 0
+               else [0] * len(dataset))
+    order = epoch_order(lengths, batch_size * world, seed, epoch, shuffle, bucket_batches)
+    if own_batches is not None:
+        order = order[: own_batches * batch_size]
     # An own generator: creating the iterator then draws no number from the global RNG, whose
     # stream (feature noise) must continue exactly across a checkpoint and resume.
     collate = getattr(dataset, "collate", collate_features)  # online features: the target's
@@ -205,12 +238,20 @@ def make_epoch_loader(dataset, batch_size: int, seed: int, epoch: int, shuffle: 
                         generator=torch.Generator().manual_seed(seed + epoch))
     # The module-level helpers shard without registering the loader with the Accelerator, so
     # checkpoints hold no per-loader sampler state (the data position is ours: epoch, batch).
-    loader = prepare_data_loader(loader, device=accelerator.device,
-                                 num_processes=accelerator.num_processes,
-                                 process_index=accelerator.process_index, put_on_device=True)
+    loader = prepare_data_loader(loader, device=accelerator.device, num_processes=world,
+                                 process_index=0 if world == 1 else accelerator.process_index,
+                                 put_on_device=True)
     if skip:
         loader = skip_first_batches(loader, skip)
     return loader
+
+
+def own_batch_count(manifest: dict, world: int, batch_size: int, drop_last: bool) -> int:
+    """Batches every rank reads from its own shards of a machine-local cache (shard k belongs
+    to rank k % world): the smallest rank's count."""
+    n = [sum(s["sequences"] for k, s in enumerate(manifest["shards"]) if k % world == r)
+         for r in range(world)]
+    return min(x // batch_size if drop_last else -(-x // batch_size) for x in n)
 
 
 def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):

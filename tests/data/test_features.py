@@ -8,15 +8,8 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from data.features import (
-    FeatureCacheError,
-    FeatureDataset,
-    build_feature_cache,
-    collate_features,
-    read_manifest,
-    teacher_logits,
-    verify_cache,
-)
+from data.feature_data import FeatureDataset, collate_features, read_manifest, verify_cache
+from data.features import FeatureCacheError, build_feature_cache, teacher_logits
 from data.target import TargetMismatchError
 
 
@@ -43,7 +36,7 @@ def test_cache_holds_the_targets_final_hidden_states_and_layers(tmp_path, tiny_t
     assert man["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert man["target"] == tiny_target.identity.to_dict() and man["layers"] == [0, 2]
     # layer 2 of the 2-layer target is the final hidden state: served by `hidden`, not stored twice
-    assert man["bytes_per_token"] == 32 * 2 * 2 + 5
+    assert man["bytes_per_token"] == 32 * 2 * 2 + 9
     verify_cache(tmp_path)
     ds = FeatureDataset(tmp_path, target=tiny_target.identity)
     assert len(ds) == len(rows)
@@ -63,6 +56,11 @@ def test_cache_holds_the_targets_final_hidden_states_and_layers(tmp_path, tiny_t
                                    atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(item["layers"][0].float(), out.hidden_states[0][0],
                                    atol=2e-3, rtol=2e-3)
+        # the teacher's log-normaliser of the hidden state as stored (what training recomputes)
+        w = model.get_output_embeddings().weight
+        want = torch.logsumexp(teacher_logits(item["hidden"].float(), w), dim=-1)
+        assert item["teacher_lse"].dtype == torch.float32
+        torch.testing.assert_close(item["teacher_lse"], want, atol=1e-5, rtol=0)
 
 
 def test_collate_pads_to_the_longest(tmp_path, tiny_target):
@@ -78,6 +76,8 @@ def test_collate_pads_to_the_longest(tmp_path, tiny_target):
     short = lens.index(min(lens))
     assert not batch["loss_mask"][short, min(lens):].any()
     assert (batch["hidden"][short, min(lens):] == 0).all()
+    assert batch["teacher_lse"].shape == (2, T)
+    assert torch.equal(batch["teacher_lse"][short, :min(lens)], ds[3 * short]["teacher_lse"])
 
 
 def test_killed_run_resumes_at_the_next_missing_shard(tmp_path, tiny_target):
@@ -166,13 +166,14 @@ def test_the_final_layer_is_served_by_the_final_hidden_state(tmp_path, tiny_targ
     rows = make_rows(6)
     man = build_feature_cache(tiny_target, rows, tmp_path / "a", layers=[1, 2], progress=False)
     with safe_open(str(tmp_path / "a" / man["shards"][0]["file"]), framework="pt") as f:
-        assert sorted(f.keys()) == ["hidden", "input_ids", "layer_1", "loss_mask", "offsets"]
+        assert sorted(f.keys()) == ["hidden", "input_ids", "layer_1", "loss_mask", "offsets",
+                                    "teacher_lse"]
     ds = FeatureDataset(tmp_path / "a")
     for i in range(len(ds)):
         item = ds[i]
         assert torch.equal(item["layers"][1], item["hidden"])
     with_final = build_feature_cache(tiny_target, rows, tmp_path / "b", layers=[1], progress=False)
-    assert man["bytes_per_token"] == with_final["bytes_per_token"] == 32 * 2 * 2 + 5
+    assert man["bytes_per_token"] == with_final["bytes_per_token"] == 32 * 2 * 2 + 9
     size = sum((tmp_path / "a" / s["file"]).stat().st_size for s in man["shards"])
     assert abs(size - man["tokens"] * man["bytes_per_token"]) < 0.05 * size + 4096
 

@@ -134,3 +134,22 @@ def test_batches_are_length_bucketed_and_resume_in_the_same_order(tmp_path, targ
     assert [c.id for c in got] == ["L9", "L1", "L5", "L3"]
     written = [json.loads(line)["id"] for line in path.read_text().splitlines()]
     assert written == ["L1", "L3", "L5", "L9"]
+
+
+def test_a_padded_batch_gives_each_conversation_its_own_greedy_reply(tmp_path, target):
+    """Batched regeneration (left padding, preallocated cache, native grouped-query attention)
+    gives every conversation the reply plain ``generate`` gives it alone."""
+    cs = [Conversation(id=f"P{n}", messages=[{"role": "user", "content": "ab" * n},
+                                             {"role": "assistant", "content": "old"}])
+          for n in (1, 7, 3, 12, 5)]
+    got = regenerate_conversations(cs, target, tmp_path / "r.jsonl", max_new_tokens=8,
+                                   batch_size=8, progress=False)
+    tok = target.tokenizer
+    for c, g in zip(cs, got):
+        ids = tok.apply_chat_template(c.messages[:1], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            ref = target.model.generate(ids, max_new_tokens=8, do_sample=False,
+                                        pad_token_id=0, eos_token_id=tok.eos_token_id)
+        assert g.messages[1]["content"] == tok.decode(ref[0, ids.shape[1]:],
+                                                      skip_special_tokens=True).strip()

@@ -59,7 +59,7 @@ def test_bench_train_runs_variants_and_caching_on_a_tiny_target(tmp_path):
     # the benchmark itself runs with the tuned allocator: the old variant must not inherit it
     assert (rows["old"]["malloc"], rows["new"]["malloc"]) == ("off", "tuned")
     cache = res["caching"][0]
-    assert cache["tokens"] > 0 and cache["max_tv"] < 1e-2 and cache["bytes_per_token"] == 133
+    assert cache["tokens"] > 0 and cache["max_tv"] < 1e-2 and cache["bytes_per_token"] == 137
     on_disk = json.loads((tmp_path / "bt" / "results.json").read_text())
     assert on_disk["gemm_gflops"]["float32"] > 0
     md = (tmp_path / "bt" / "results.md").read_text()

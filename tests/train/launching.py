@@ -91,16 +91,19 @@ def assert_resumed(console: str, rows: list[dict], ckpt: Path, last_step: int) -
 
 
 def launch_machines(config_file: str, out_dir: Path, overrides: list[str], port: int,
-                    machines: int = 2, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+                    machines: int = 2, extra: tuple[str, ...] = (),
+                    per_machine=lambda rank: []) -> list[subprocess.Popen]:
     """Start ``machines`` accelerate "machines" on this one (one process each, rendezvous at
     127.0.0.1:``port``), as ``accelerate launch --num_machines N --machine_rank R`` on N hosts
-    would; each one's console goes to ``<out_dir>.machine<R>.log``."""
+    would; each one's console goes to ``<out_dir>.machine<R>.log``. ``per_machine(R)`` adds
+    overrides for machine R only (e.g. its own cache folder, as on its own disk)."""
     procs = []
     for rank in range(machines):
         cmd = [ACCELERATE, "launch", "--config_file", config_file, "--num_machines",
                str(machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--num_processes", str(machines), *extra,
-               "train/distill.py", *overrides, "train.cpu_threads=1", f"out_dir={out_dir}"]
+               "train/distill.py", *overrides, *per_machine(rank), "train.cpu_threads=1",
+               f"out_dir={out_dir}"]
         with open(f"{out_dir}.machine{rank}.log", "w") as console:
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=console,
                                           stderr=subprocess.STDOUT, start_new_session=True))

@@ -65,7 +65,7 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
 def test_token_frequency_script_recounts_what_training_wrote(warm_cache, tmp_path):
     import shutil
 
-    from data.features import FeatureDataset
+    from data.feature_data import FeatureDataset
     from data.prepare import default_feature_root
     from heads.package import load_package, update_package_json
     from scripts.token_frequency import add_token_frequency
@@ -288,6 +288,9 @@ FAST_PATH_CASES = {
     "eagle": ["draft=eagle"],
     "eagle3": ["draft=eagle", "draft.config.draft_vocab_size=48", "draft.feature_weight=0",
                "draft.config.fuse_layers=[0,1,2]", "loss=mix"],
+    # fkl at temperature 1 over a reduced vocabulary: the teacher from the cached normaliser
+    "eagle3-fkl": ["draft=eagle", "draft.config.draft_vocab_size=48", "draft.feature_weight=0",
+                   "draft.config.fuse_layers=[0,1,2]", "loss=fkl"],
 }
 
 
@@ -307,6 +310,23 @@ def test_one_teacher_per_token_gives_the_per_position_losses_and_gradients(case,
         assert torch.allclose(new_grads[n], g, rtol=1e-4, atol=1e-6), n
 
 
+def test_the_cached_normaliser_path_fails_with_a_misaligned_normaliser(warm_cache, tmp_path):
+    """Twin of the eagle3-fkl case: with each token's cached teacher normaliser taken from the
+    next token, the fast path's loss is no longer the old path's."""
+    recipe = _recipe(TINY + FAST_PATH_CASES["eagle3-fkl"] + [f"out_dir={tmp_path}"])
+    try:
+        batch = next(recipe._batches())
+        assert "teacher_lse" in batch
+        old_loss = _loss_and_grads(recipe, batch, False, False)[0]
+        same = _loss_and_grads(recipe, batch, True, True)[0]
+        batch["teacher_lse"] = batch["teacher_lse"].roll(-1, dims=1)
+        wrong = _loss_and_grads(recipe, batch, True, True)[0]
+    finally:
+        recipe.cleanup()
+    assert same == pytest.approx(old_loss, rel=1e-5)
+    assert wrong != pytest.approx(old_loss, rel=1e-3)
+
+
 def test_shared_teacher_equality_fails_when_teacher_rows_are_misaligned(warm_cache, tmp_path,
                                                                        monkeypatch):
     """Twin: with the teacher row of each EAGLE position off by one token, the fast path's loss
@@ -322,7 +342,7 @@ def test_shared_teacher_equality_fails_when_teacher_rows_are_misaligned(warm_cac
 
 def test_auto_dtypes_resolve_to_the_measured_fastest(monkeypatch, tmp_path):
     import data.dtype
-    from train.distill import resolve_auto_dtypes
+    from train.config import resolve_auto_dtypes
 
     for fast, want_mp in (("bfloat16", "bf16"), ("float32", "no")):
         monkeypatch.setattr(data.dtype, "fastest_dtype", lambda device="cpu", f=fast: f)

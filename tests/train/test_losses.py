@@ -329,6 +329,27 @@ def test_shared_teacher_computes_each_row_once_and_matches_per_position_teachers
         assert torch.allclose(got, real(hidden[r], 0.9, w, d2t), atol=1e-6)
 
 
+def test_shared_teacher_with_the_cached_normaliser_needs_only_the_draft_rows(monkeypatch):
+    """With the cache's log-normaliser the teacher over a reduced vocabulary is the draft rows'
+    logits minus it: no vocabulary-wide softmax runs, and the log-probs are the same. Twin: a
+    normaliser one row off gives other log-probs."""
+    from train import losses
+
+    g = torch.Generator().manual_seed(3)
+    hidden, w = torch.randn(12, 8, generator=g), torch.randn(30, 8, generator=g)
+    d2t = torch.tensor([1, 2, 5, 8, 13])
+    rows = [torch.tensor([0, 1, 2, 5]), torch.tensor([1, 2, 3, 6]), torch.tensor([2, 3, 4, 7])]
+    lse = torch.logsumexp(hidden @ w.T, dim=-1)
+    want = losses.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t)
+    monkeypatch.setattr(losses, "teacher_log_probs", None)  # the full-vocabulary path is not run
+    got = losses.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t, log_normalizer=lse)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    off = losses.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t,
+                                          log_normalizer=lse.roll(1))
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(off, want))
+
+
 def test_ce_data_with_shared_teacher_and_reduced_vocab_equals_the_hidden_path():
     """Teacher log-probs over a reduced vocabulary do not tell the target's vocabulary size; the
     data-label CE still maps target-id labels to draft ids (outside ids skipped)."""

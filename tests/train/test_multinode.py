@@ -132,6 +132,50 @@ def test_the_data_parallel_feature_cache_equals_the_one_process_cache(tmp_path):
         assert [s["tokens"] for s in ma["shards"]] == [s["tokens"] for s in mb["shards"]]
 
 
+def test_machine_local_caches_hold_and_train_on_their_own_shards_only(tmp_path):
+    """data.cache.local=true, two machines, each with its own cache folder (as on its own disk):
+    each folder holds exactly the shards its rank wrote, bit for bit those of the one-process
+    cache, with the whole manifest and the split's token counts; each rank then trains on its
+    own shards only (the other rank's are not on its disk, so reading one would fail), and both
+    run every step with different batches."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.train.launching import run_inprocess
+
+    small = TINY + ["draft=eagle", "draft.config.draft_vocab_size=48", "draft.feature_weight=0",
+                    "data.cache.shard_size=2", "data.split.val=0.3", "train.max_steps=4",
+                    "train.eval_every=2", "train.save_every=2", "train.eval_batches=null",
+                    "train.log_every=1"]
+    run_inprocess(small + [f"data.cache.dir={tmp_path / 'one'}", f"out_dir={tmp_path / 'o'}"])
+    out = tmp_path / "local"
+    wait_machines(launch_machines(
+        "conf/accelerate/ddp.yaml", out, small + ["launcher=ddp", "train.micro_batch_size=1",
+                                                  "data.cache.local=true"],
+        port=29687, per_machine=lambda r: [f"data.cache.dir={tmp_path / f'disk{r}'}"]), out)
+    (one,) = list((tmp_path / "one").iterdir())
+    for r in (0, 1):
+        (mine,) = list((tmp_path / f"disk{r}").iterdir())
+        assert mine.name == one.name  # the same cache key
+        for split in ("train", "val"):
+            every = sorted(p.name for p in (one / split).glob("shard-*"))
+            assert len(every) >= 2
+            have = sorted(p.name for p in (mine / split).glob("shard-*"))
+            assert have == [name for k, name in enumerate(every) if k % 2 == r]
+            for name in have:
+                a, b = load_file(str(one / split / name)), load_file(str(mine / split / name))
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+            ma, mb = (json.loads((d / split / "manifest.json").read_text()) for d in (one, mine))
+            assert ma["shards"] == mb["shards"]  # the whole manifest, every shard's sha256
+            assert ma["token_counts_sha256"] == mb["token_counts_sha256"]
+    summary = _summary(out)
+    assert (summary["distributed_type"], summary["num_processes"]) == ("MULTI_CPU", 2)
+    assert len(set(summary["rank_batch_fingerprints"])) == 2  # each rank its own batches
+    assert [row["step"] for row in log_rows(out) if "loss" in row] == [1, 2, 3, 4]
+    assert summary["alpha_hat"][0] > 0  # validation ran on the ranks' own validation shards
+
+
 @pytest.mark.parametrize("fuse", [None, "[1,2]"], ids=["eagle1", "fused-layers"])
 def test_online_features_give_the_losses_of_the_offline_cache(fuse, tmp_path, monkeypatch):
     """data.features=online: a tokens-only cache (5 bytes per token) and the target's hidden

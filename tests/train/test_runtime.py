@@ -220,6 +220,44 @@ def test_epoch_loader_order_is_a_function_of_seed_and_epoch():
     assert _epoch(seed=1, epoch=0, shuffle=False) == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+class _Lengths(_Numbered):
+    """Sequence i is i + 1 tokens long (token id i)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.full((i + 1,), i), "loss_mask": torch.ones(i + 1, dtype=bool),
+                "hidden": torch.zeros(i + 1, 4, dtype=torch.float16)}
+
+    def lengths(self) -> list[int]:
+        return [i + 1 for i in range(self.n)]
+
+
+def test_bucketed_batches_hold_similar_lengths_in_a_seeded_random_order():
+    acc = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0)
+
+    def epoch(k: int, seed: int = 3, epoch: int = 0, batch: int = 4, skip: int = 0):
+        loader = make_epoch_loader(_Lengths(64), batch, seed=seed, epoch=epoch, shuffle=True,
+                                   accelerator=acc, bucket_batches=k, skip=skip)
+        return [b["input_ids"][:, 0].tolist() for b in loader]
+
+    def padding(batches):  # padded slots over all slots
+        return 1 - sum(sum(i + 1 for i in b) for b in batches) / sum(
+            len(b) * (max(b) + 1) for b in batches)
+
+    plain, bucketed = epoch(0), epoch(4)
+    assert sorted(i for b in bucketed for i in b) == list(range(64))  # every sequence once
+    assert padding(bucketed) < 0.6 * padding(plain)
+    assert epoch(4) == bucketed and epoch(4, epoch=1) != bucketed  # a function of seed, epoch
+    assert epoch(4, skip=5) == bucketed[5:]  # resumes mid-epoch
+    shortest = [min(b) for b in bucketed]
+    assert sorted(shortest) != shortest  # batches come shuffled, not sorted by length
+    # the global batch is the unit: 2 processes x 2 see the batches of 1 process x 4
+    r0, r1 = ([b["input_ids"][:, 0].tolist() for b in make_epoch_loader(
+        _Lengths(64), 2, seed=3, epoch=0, shuffle=True, bucket_batches=4,
+        accelerator=SimpleNamespace(device=torch.device("cpu"), num_processes=2,
+                                    process_index=rank))] for rank in (0, 1))
+    assert [a + b for a, b in zip(r0, r1)] == bucketed
+
+
 def test_epoch_loader_collates_padded_feature_batches():
     acc = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0)
     batch = next(iter(make_epoch_loader(_Numbered(4), 2, seed=0, epoch=0, shuffle=False,
