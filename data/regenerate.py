@@ -40,14 +40,21 @@ def _load_done(path: Path) -> dict[str, Conversation]:
     return done
 
 
-def _first_prompt_chars(messages: Sequence[dict[str, str]]) -> int:
-    """Characters before the first assistant turn (a cheap proxy for the first prompt's length)."""
-    n = 0
+def _first_prompt_tokens(messages: Sequence[dict[str, str]], tokenizer: Any) -> int:
+    """Token length of the first prompt regeneration answers: the turns up to the first
+    assistant turn that follows a user turn (leading assistant turns are dropped, as
+    :func:`_regenerate_batch` drops them), through the chat template."""
+    prompt: list[dict[str, str]] = []
     for m in messages:
         if m["role"] == "assistant":
-            break
-        n += len(m["content"])
-    return n
+            if any(p["role"] == "user" for p in prompt):
+                break
+            continue  # a leading reply: never part of a prompt
+        prompt.append(m)
+    if not any(p["role"] == "user" for p in prompt):
+        return 0
+    return len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
 
 
 @torch.no_grad()
@@ -153,10 +160,13 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _load_done(path)
-    # length buckets: conversations with similar first prompts share a batch (less padding);
-    # the order depends on the inputs only, so a resumed run forms the same remaining batches
-    todo = [c for c in sorted(conversations, key=lambda c: _first_prompt_chars(c.messages))
-            if c.id not in done]
+    # length buckets: conversations whose first prompts have similar token lengths share a
+    # batch (every row is padded to the batch's longest prompt, so one long prompt in a batch
+    # of short ones multiplies its cost); the order depends on the inputs only, so a resumed run
+    # forms the same remaining batches
+    todo = [c for c in conversations if c.id not in done]
+    lengths = {c.id: _first_prompt_tokens(c.messages, target.tokenizer) for c in todo}
+    todo.sort(key=lambda c: (lengths[c.id], c.id))
     model = target.model.eval()
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo),
                desc="regenerate", unit="conv", disable=not progress)

@@ -123,17 +123,22 @@ def test_max_replies_ends_the_conversation_after_that_many_replies(tmp_path, tar
 
 
 def test_batches_are_length_bucketed_and_resume_in_the_same_order(tmp_path, target):
-    """Conversations are generated in order of their first prompt's length (batches of similar
-    lengths); the results come back in input order."""
+    """Conversations are generated in order of their first prompt's token length (batches of
+    similar lengths), the prompt regeneration really answers: a leading assistant turn is not
+    part of it (A7 sorts by its 7-character prompt, not as an empty one); the results come back
+    in input order."""
     cs = [Conversation(id=f"L{n}", messages=[{"role": "user", "content": "x" * n},
                                              {"role": "assistant", "content": "old"}])
           for n in (9, 1, 5, 3)]
+    cs.append(Conversation(id="A7", messages=[{"role": "assistant", "content": "hello"},
+                                              {"role": "user", "content": "x" * 7},
+                                              {"role": "assistant", "content": "old"}]))
     path = tmp_path / "r.jsonl"
     got = regenerate_conversations(cs, target, path, max_new_tokens=2, batch_size=2,
                                    progress=False)
-    assert [c.id for c in got] == ["L9", "L1", "L5", "L3"]
+    assert [c.id for c in got] == ["L9", "L1", "L5", "L3", "A7"]
     written = [json.loads(line)["id"] for line in path.read_text().splitlines()]
-    assert written == ["L1", "L3", "L5", "L9"]
+    assert written == ["L1", "L3", "L5", "A7", "L9"]
 
 
 def test_a_padded_batch_gives_each_conversation_its_own_greedy_reply(tmp_path, target):
