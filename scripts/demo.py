@@ -8,8 +8,8 @@
 4. sweep   K on a few prompts and write the report (table + plots);
 5. export  the head in the EAGLE layout serving engines load, and decode again from the export;
 6. decode  the same prompts with the released EAGLE-3 head (``releases/``, trained longer by
-           ``experiment=eagle3_cpu`` then ``experiment=eagle3_self``) against plain decoding,
-           in the dtype measured fastest here.
+           ``experiment=eagle3_engine`` then ``experiment=eagle3_long``) against plain
+           decoding, in the dtype measured fastest here.
 
 Every stage is a plain command a user can run alone; this script only runs them in order and
 prints a summary. Extra arguments are passed to the training command (Hydra overrides).

@@ -1,6 +1,6 @@
 """Validation alpha-hat per draft position against trained tokens, from a run's train_log.jsonl.
 
-    python scripts/plot_training.py run=outputs/eagle3_cpu out=bench/train/alpha_vs_tokens.png
+    python scripts/plot_training.py run=outputs/eagle3_long out=bench/train/alpha_vs_tokens_long.png
 
 Writes the PNG and a CSV beside it (the plotted points), and prints a log-linear fit per
 position, alpha-hat = a + b log10(tokens), over the validations after the first, with what it
@@ -21,16 +21,40 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def trained_tokens(recs: list[dict]) -> dict[int, int]:
+    """Trained position-1 tokens by step. Train records carry ``tokens_total`` (counted across
+    resumes). Logs written before it count ``tokens`` from each (re)start: a count that goes
+    down starts a resumed segment, whose resume step is estimated from its first count at the
+    earlier segment's tokens per step (snapped to a logged step); the earlier segment's records
+    after that step (work the resume redid) are dropped and its count there carries on."""
+    by_step: dict[int, int] = {0: 0}
+    base, seg_start, prev = 0, 0, None  # prev: the previous record of the current segment
+    for r in (r for r in recs if "tokens" in r):
+        if "tokens_total" in r:
+            by_step[r["step"]] = r["tokens_total"]
+            continue
+        if prev is not None and r["tokens"] < prev["tokens"]:  # a resumed segment starts
+            rate = (prev["tokens"] / max(prev["step"] - seg_start, 1))
+            guess = r["step"] - r["tokens"] / max(rate, 1e-9)
+            seg_start = max((s for s in by_step if s <= guess + 0.5), default=0)
+            by_step = {s: t for s, t in by_step.items() if s <= seg_start}
+            base = by_step[seg_start]
+        by_step[r["step"]] = base + r["tokens"]
+        prev = r
+    return by_step
+
+
 def curve(log_path: Path) -> list[dict]:
     """``[{"step", "tokens", "alpha_hat": [...]}]`` for every validation, tokens = trained
     position-1 tokens by then (from the train records logged at the same steps)."""
     recs = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
-    tokens = {0: 0, **{r["step"]: r["tokens"] for r in recs if "tokens" in r}}
-    points = []
-    for r in recs:
+    tokens = trained_tokens(recs)
+    points = {}
+    for r in recs:  # a validation repeated by a resumed run: the later one
         if r.get("tag") in ("init", "val") and r["step"] in tokens:
-            points.append({"step": r["step"], "tokens": tokens[r["step"]],
-                           "alpha_hat": r["alpha_hat"]})
+            points[r["step"]] = {"step": r["step"], "tokens": tokens[r["step"]],
+                                 "alpha_hat": r["alpha_hat"]}
+    points = [points[s] for s in sorted(points)]
     if len(points) < 2:
         raise ValueError(f"{log_path}: fewer than two validations with a token count; log with "
                          "train.log_every dividing train.eval_every")

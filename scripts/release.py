@@ -1,6 +1,6 @@
 """Make a release copy of a draft package: 16-bit weights, every other file as is, a new manifest.
 
-    python scripts/release.py draft=outputs/eagle3_cpu/draft out=releases/eagle3-smollm2-135m
+    python scripts/release.py draft=outputs/eagle3_long/draft out=releases/eagle3-smollm2-135m
 
 Training keeps fp32 master weights; a release stores them in ``dtype`` (bf16 by default: the
 weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly). Integer and bool

@@ -76,6 +76,7 @@ class DistillRecipe:
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.step = self.epoch = self.batch_in_epoch = 0
+        self.tokens_trained = 0  # position-1 tokens trained on, across resumes (checkpointed)
         self.rank_fingerprints: list[int] | None = None  # first batch of each rank (sharding check)
 
     # ------------------------------------------------------------------ setup
@@ -202,6 +203,7 @@ class DistillRecipe:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.batch_in_epoch = state["batch_in_epoch"]
+        self.tokens_trained = state.get("tokens_trained", 0)  # checkpoints before it: from 0
         log.info("resumed from %s (step %d, epoch %d, batch %d)", last, self.step, self.epoch,
                  self.batch_in_epoch)
 
@@ -350,6 +352,7 @@ class DistillRecipe:
             with counter:
                 step_tokens = self._train_step(model, batches, step_parts)
             tokens_seen += step_tokens
+            self.tokens_trained += step_tokens
             if counting:
                 self.steplog.log_train(self.step + 1,
                                        {"flops_first_step": counter.get_total_flops(),
@@ -362,7 +365,8 @@ class DistillRecipe:
                 self.steplog.log_train(self.step, {
                     "loss": sum(step_parts.values()), **step_parts,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "tokens": tokens_seen, "elapsed_s": elapsed,
+                    "tokens": tokens_seen, "tokens_total": self.tokens_trained,
+                    "elapsed_s": elapsed,
                     "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
             if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
                 last_val = self.validate()
@@ -416,7 +420,7 @@ class DistillRecipe:
     # ------------------------------------------------------------------ outputs
     def save_checkpoint(self) -> Path:
         state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                 "scheduler": self.scheduler.state_dict(),
+                 "tokens_trained": self.tokens_trained, "scheduler": self.scheduler.state_dict(),
                  "config": OmegaConf.to_container(self.cfg, resolve=True)}
         return ckpt.save_checkpoint(self.accelerator, self.out_dir, self.step, state,
                                     keep=self.cfg.train.keep_checkpoints)

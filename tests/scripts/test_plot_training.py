@@ -34,6 +34,26 @@ def test_curve_pairs_each_validation_with_the_tokens_trained_by_then(tmp_path):
     assert [float(x) for x in rows[-1][2:]] == [0.4, 0.3]
 
 
+def test_a_resumed_run_chains_its_token_counts(tmp_path):
+    """A run killed after step 40 and resumed from its step-20 checkpoint: the old log restarts
+    its count (the redone steps 30-40 replace the lost ones); a newer log has tokens_total."""
+    recs = [{"step": 0, "tag": "init", "alpha_hat": [0.0]}]
+    for step in (10, 20, 30, 40):  # 100 tokens per step
+        recs.append({"step": step, "tokens": 100 * step})
+        recs.append({"step": step, "tag": "val", "alpha_hat": [step / 100]})
+    for step in (30, 40, 50):  # resumed at 20, 90 tokens per step now
+        recs.append({"step": step, "tokens": 90 * (step - 20)})
+        recs.append({"step": step, "tag": "val", "alpha_hat": [step / 200]})
+    (tmp_path / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    pts = plot_training.curve(tmp_path / "train_log.jsonl")
+    assert [(p["step"], p["tokens"]) for p in pts] == [
+        (0, 0), (10, 1000), (20, 2000), (30, 2900), (40, 3800), (50, 4700)]
+    assert pts[3]["alpha_hat"] == [0.15]  # the resumed run's validation, not the lost one
+    new = [{**r, "tokens_total": 2000 + r["tokens"]} if "tokens" in r and i > 8 else r
+           for i, r in enumerate(recs)]
+    assert plot_training.trained_tokens(new)[50] == 2000 + 2700
+
+
 def test_a_log_without_token_counts_is_refused(tmp_path):
     (tmp_path / "train_log.jsonl").write_text(json.dumps(
         {"step": 0, "tag": "init", "alpha_hat": [0.0]}) + "\n")

@@ -87,6 +87,13 @@ def test_the_same_config_resumes_and_counts_on(first_run, tmp_path, caplog):
     assert f"resumed from {out / 'checkpoints' / 'step-000003'} (step 3," in caplog.text
     assert summary["steps"] == 5 and _steps(out) == [1, 2, 3, 4, 5]
     assert load_trainer_state(latest_checkpoint(out))["step"] == 5
+    # the trained-token count carries on from the checkpoint (tokens: this launch's own)
+    train = [r for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())
+             if "tokens_total" in r]
+    before, last = [r for r in train if r["step"] == 3][-1], train[-1]
+    assert load_trainer_state(out / "checkpoints" / "step-000003")["tokens_trained"] == \
+        before["tokens_total"] > 0
+    assert last["step"] == 5 and last["tokens_total"] == before["tokens_total"] + last["tokens"]
     assert not list(out.glob("previous-*"))
     assert load_package(out / "draft").kind == "medusa"
 
