@@ -44,6 +44,7 @@ from train.config import (
 from train.losses import feature_regression, shared_teacher_log_probs
 from train.runtime import (
     StepLog,
+    batch_fingerprints,
     cosine_with_warmup,
     long_barrier,
     main_process_first,
@@ -75,8 +76,8 @@ class DistillRecipe:
         resolve_auto_dtypes(cfg)
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
-        self.step = self.epoch = self.batch_in_epoch = 0
-        self.tokens_trained = 0  # position-1 tokens trained on, across resumes (checkpointed)
+        # tokens_trained: position-1 tokens trained on, across resumes (checkpointed)
+        self.step = self.epoch = self.batch_in_epoch = self.tokens_trained = 0
         self.rank_fingerprints: list[int] | None = None  # first batch of each rank (sharding check)
 
     # ------------------------------------------------------------------ setup
@@ -364,9 +365,8 @@ class DistillRecipe:
                 elapsed = time.perf_counter() - t0
                 self.steplog.log_train(self.step, {
                     "loss": sum(step_parts.values()), **step_parts,
-                    "lr": self.scheduler.get_last_lr()[0],
-                    "tokens": tokens_seen, "tokens_total": self.tokens_trained,
-                    "elapsed_s": elapsed,
+                    "lr": self.scheduler.get_last_lr()[0], "tokens": tokens_seen,
+                    "tokens_total": self.tokens_trained, "elapsed_s": elapsed,
                     "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
             if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
                 last_val = self.validate()
@@ -388,7 +388,7 @@ class DistillRecipe:
         for _ in range(cfg.train.grad_accum):
             batch = next(batches)
             if self.rank_fingerprints is None:
-                self.rank_fingerprints = self._fingerprints(batch)
+                self.rank_fingerprints = batch_fingerprints(acc, batch)
             with acc.accumulate(model):
                 with acc.autocast():
                     loss, parts, n_global = self.compute_loss(batch)
@@ -409,13 +409,6 @@ class DistillRecipe:
             for key, v in parts.items():
                 step_parts[key] = step_parts.get(key, 0.0) + v / cfg.train.grad_accum
         return tokens
-
-    def _fingerprints(self, batch: dict) -> list[int]:
-        """A checksum of each rank's first batch, gathered: distinct values = sharded data."""
-        ids = batch["input_ids"].long()
-        weights = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
-        local = ((ids * weights).sum() % 2_147_483_647).view(1)
-        return [int(v) for v in self.accelerator.gather(local).tolist()]
 
     # ------------------------------------------------------------------ outputs
     def save_checkpoint(self) -> Path:

@@ -157,6 +157,14 @@ def rank_placement(acc) -> list[dict]:
     return gather_object([mine]) if acc.num_processes > 1 else [mine]
 
 
+def batch_fingerprints(acc, batch: dict) -> list[int]:
+    """A checksum of each rank's batch, gathered (a collective): distinct values = sharded data."""
+    ids = batch["input_ids"].long()
+    weights = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
+    local = ((ids * weights).sum() % 2_147_483_647).view(1)
+    return [int(v) for v in acc.gather(local).tolist()]
+
+
 class PeerLostError(RuntimeError):
     """A collective operation failed: another process or machine of the run died or hangs."""
 
