@@ -34,7 +34,7 @@ def trained_tokens(recs: list[dict]) -> dict[int, int]:
             by_step[r["step"]] = r["tokens_total"]
             continue
         if prev is not None and r["tokens"] < prev["tokens"]:  # a resumed segment starts
-            rate = (prev["tokens"] / max(prev["step"] - seg_start, 1))
+            rate = prev["tokens"] / max(prev["step"] - seg_start, 1)
             guess = r["step"] - r["tokens"] / max(rate, 1e-9)
             seg_start = max((s for s in by_step if s <= guess + 0.5), default=0)
             by_step = {s: t for s, t in by_step.items() if s <= seg_start}

@@ -343,7 +343,7 @@ class DistillRecipe:
         batches = self._batches()
         progress = self.steplog.progress(total=cfg.train.max_steps, initial=self.step)
         last_val = None
-        tokens_seen, t0, start_step = 0, time.perf_counter(), self.step
+        start_tokens, t0, start_step = self.tokens_trained, time.perf_counter(), self.step
         while self.step < cfg.train.max_steps:
             step_parts: dict[str, float] = {}
             # The first step of a run can count its FLOPs (matmuls and attention, forward and
@@ -352,7 +352,6 @@ class DistillRecipe:
             counter = FlopCounterMode(display=False) if counting else contextlib.nullcontext()
             with counter:
                 step_tokens = self._train_step(model, batches, step_parts)
-            tokens_seen += step_tokens
             self.tokens_trained += step_tokens
             if counting:
                 self.steplog.log_train(self.step + 1,
@@ -362,7 +361,7 @@ class DistillRecipe:
             self.step += 1
             progress.update(1)
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                elapsed = time.perf_counter() - t0
+                elapsed, tokens_seen = time.perf_counter() - t0, self.tokens_trained - start_tokens
                 self.steplog.log_train(self.step, {
                     "loss": sum(step_parts.values()), **step_parts,
                     "lr": self.scheduler.get_last_lr()[0], "tokens": tokens_seen,
