@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from eval.decoder import DecodeResult, _Stopper
-from eval.proposers import DraftLMProposer, Proposer, Sampling, fit_vocab
+from eval.proposal import Sampling
+from eval.proposers import DraftLMProposer, Proposer, fit_vocab
 from eval.proposers_eagle import EagleProposer
 from eval.stats import DecodeStats, KController
 from eval.target_model import cache_kwarg, native_gqa

@@ -36,6 +36,7 @@ from eval import session
 from eval.checks import check_noise_tolerance, check_out_file, check_sampling, integer, number
 from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
+from eval.tree import TREE_DRAWS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "eval"  # the evaluation configs
 CONF_FILE = CONF_DIR / "decode.yaml"
@@ -58,6 +59,9 @@ def _validate(cfg: DictConfig) -> None:
     """Every setting and ``out``, before any model is loaded (measure.py and bench.py reuse the
     sampling, prompt and draft checks)."""
     TreeMode.parse(cfg.tree)
+    if cfg.get("tree_draw", "sample") not in TREE_DRAWS:
+        raise ValueError(f"tree_draw={cfg.tree_draw!r}: allowed {', '.join(TREE_DRAWS)} (how a "
+                         "sampled decode's dynamic tree picks children)")
     if cfg.dtype not in (*DTYPES, "auto"):
         raise ValueError(f"dtype={cfg.dtype!r}: allowed {(*DTYPES, 'auto')}")
     if integer("max_new_tokens", cfg.max_new_tokens, "an integer >= 1") < 1:
@@ -141,6 +145,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                "k": k, "k_source": k_source,
                "tree": proposer.tree,
                "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
+               "tree_draw": (getattr(proposer, "tree_draw", None)
+                             if proposer.tree and float(cfg.temperature) > 0 else None),
                "draft_vocab": getattr(proposer, "draft_vocab", None),
                "draft_kind": proposer.kind,
                "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eval.proposers import DecodeContext, Proposal, Proposer, Sampling
+from eval.proposal import DecodeContext, Proposal, Sampling
+from eval.proposers import Proposer
 from eval.stats import DecodeStats, KController
 from eval.target_model import Target, TargetOutput
 from eval.verify import verify_chain, verify_greedy, verify_tree, verify_tree_typical

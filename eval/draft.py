@@ -5,7 +5,9 @@ export (manifest and target identity verified either way). :func:`settle` turns 
 options (``k``, ``tree``, ``tree_size``, ``medusa_branching``, ``draft_vocab``; null = measured)
 and the package's ``speculation.json`` into one typed :class:`DraftSettings`; the measured values
 count only when they were measured in the same dtype on the same device type
-(:meth:`Measured.of`). :func:`build_proposer` makes the family's proposer from them.
+(:meth:`Measured.of`), taken from the record measured at the nearest temperature (a package may
+hold one per temperature: :func:`merge_record`). :func:`build_proposer` makes the family's
+proposer from them.
 
 ``tree=auto`` means the same for every family: where the dynamic tree and the chain were both
 measured (or only the tree), the faster one; otherwise the family's default
@@ -64,6 +66,56 @@ def parse_draft_vocab(value: Any, vocab_size: int | None = None) -> int | None:
 
 
 # ----------------------------------------------------------------------------- measured record
+BY_TEMPERATURE = "by_temperature"  # speculation.json: records measured at other temperatures
+_SHARED = ("batch",)  # speculation.json keys that belong to no one temperature's record
+
+
+def record_temperature(record: Mapping) -> float:
+    """The sampling temperature ``eval/measure.py`` measured ``record`` at (0: greedy)."""
+    return float((record.get("measured") or {}).get("temperature") or 0.0)
+
+
+def records_of(speculation: Mapping | None) -> list[dict]:
+    """Every measured record of ``speculation.json``, lowest temperature first: the top-level
+    one (the lowest temperature measured) and those under ``by_temperature``."""
+    spec = dict(speculation or {})
+    nested = spec.pop(BY_TEMPERATURE, None) or {}
+    for key in _SHARED:
+        spec.pop(key, None)
+    records = ([spec] if "k_star" in spec else []) + [dict(r) for r in nested.values()]
+    return sorted(records, key=record_temperature)
+
+
+def record_at(speculation: Mapping | None, temperature: float | None) -> tuple[dict, float]:
+    """The record measured at the temperature nearest ``temperature`` (the lower one on a tie;
+    None: the top-level record) and the temperature it was measured at. Acceptance, and with it
+    K* and the best tree, changes with the temperature: a record measured greedily drafts too
+    deep for sampling."""
+    records = records_of(speculation)
+    if not records:
+        return {}, 0.0
+    if temperature is None:
+        best = records[0]
+    else:
+        best = min(records, key=lambda r: abs(record_temperature(r) - float(temperature)))
+    return best, record_temperature(best)
+
+
+def merge_record(speculation: Mapping | None, record: Mapping) -> dict:
+    """``speculation.json`` with ``record`` stored for its temperature: it replaces a record of
+    the same temperature, the lowest temperature's record is the top level (what older readers
+    take) and the others go under ``by_temperature`` keyed by temperature; the shared keys
+    (``batch``) are kept."""
+    spec = dict(speculation or {})
+    t = record_temperature(record)
+    kept = [r for r in records_of(spec) if record_temperature(r) != t] + [dict(record)]
+    kept.sort(key=record_temperature)
+    merged = {**kept[0], **{key: spec[key] for key in _SHARED if key in spec}}
+    if len(kept) > 1:
+        merged[BY_TEMPERATURE] = {f"{record_temperature(r):g}": r for r in kept[1:]}
+    return merged
+
+
 @dataclass(frozen=True)
 class MeasuredTree:
     """The best tree shape ``eval/measure.py`` found (``speculation.json["tree"]``)."""
@@ -84,11 +136,13 @@ class Measured:
     draft_vocab: int | None  # the fastest draft vocabulary size (None: the whole vocabulary)
     @classmethod
     def of(cls, speculation: Mapping | None, dtype: str | None = None,
-           device: str | None = None) -> tuple[Measured | None, str]:
-        """The record, or None and why (``default ...``) when it says nothing about this run:
-        costs measured in another dtype or on another device say nothing about the best K here.
+           device: str | None = None, temperature: float | None = None
+           ) -> tuple[Measured | None, str]:
+        """The record for ``temperature`` (:func:`record_at`), or None and why (``default
+        ...``) when it says nothing about this run: costs measured in another dtype or on
+        another device say nothing about the best K here.
         """
-        spec = speculation or {}
+        spec, measured_at = record_at(speculation, temperature)
         k_star = spec.get("k_star")
         if not (isinstance(k_star, int) and not isinstance(k_star, bool) and k_star >= 0):
             return None, "default"
@@ -106,8 +160,11 @@ class Measured:
                                  tuple(int(b) for b in branching) if branching else None,
                                  tree.get("speedup"))
         size = (spec.get("draft_vocab") or {}).get("size")
+        source = "speculation.json"
+        if temperature is not None and len(records_of(speculation)) > 1:
+            source += f" (T = {measured_at:g})"
         return cls(k_star, (spec.get("measured_speedup") or {}).get("speedup"), shape,
-                   int(size) if size else None), "speculation.json"
+                   int(size) if size else None), source
 
     def tree_won(self) -> bool | None:
         """Whether the measured tree decoded faster than the chain at K*; None: not compared
@@ -136,12 +193,13 @@ def batch_k(speculation: Mapping | None, batch_size: int, dtype: str | None = No
 
 
 def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
-              device: str | None = None) -> tuple[int, str]:
+              device: str | None = None, temperature: float | None = None) -> tuple[int, str]:
     """The chain's draft length and where it came from: ``k`` (``config``), else the measured K*
-    for this dtype and device type (``speculation.json``), else :data:`DEFAULT_K` and why."""
+    for this dtype, device type and (nearest) temperature (``speculation.json``), else
+    :data:`DEFAULT_K` and why."""
     if k is not None:
         return int(k), "config"
-    measured, source = Measured.of(speculation, dtype, device)
+    measured, source = Measured.of(speculation, dtype, device, temperature)
     return (DEFAULT_K, source) if measured is None else (measured.k_star, source)
 
 
@@ -157,6 +215,12 @@ class DraftSettings:
     tree_topk: int
     medusa_branching: tuple[int, ...]
     draft_vocab: int | None  # drafted over the most frequent ids (None: the whole vocabulary)
+    tree_draw: str = "sample"  # sampled decodes: dynamic-tree children drawn, or the top-k
+
+
+def _tagged(source: str, tag: str) -> str:
+    """``speculation.json (T = 1)`` + ``tree`` -> ``speculation.json (T = 1, tree)``."""
+    return f"{source[:-1]}, {tag})" if source.endswith(")") else f"{source} ({tag})"
 
 
 def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSettings:
@@ -168,8 +232,9 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     family = pkg.family
     dtype, device = cfg.get("dtype"), cfg.get("device")
     spec = pkg.speculation if measured else None
-    m, _ = Measured.of(spec, dtype, device)
-    k, k_source = resolve_k(cfg.get("k"), spec, dtype, device)
+    temperature = float(cfg.get("temperature") or 0.0)
+    m, m_source = Measured.of(spec, dtype, device, temperature)
+    k, k_source = resolve_k(cfg.get("k"), spec, dtype, device, temperature)
     mode = TreeMode.parse(cfg.get("tree", "auto"))
     use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default)
     won = m.tree_won() if m is not None else None
@@ -185,9 +250,9 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
         branching = m.tree.branching if from_tree else branching
     if from_tree and cfg.get("k") is None:  # the measured tree's depth
         k, k_source = (m.tree.depth if family.tree is TreeKind.DYNAMIC else len(branching),
-                       "speculation.json (tree)")
+                       _tagged(m_source, "tree"))
         if m.k_star == 0 and (m.tree.speedup or 0.0) < 1.0:
-            k, k_source = 0, f"speculation.json (K* = 0, best tree {m.tree.speedup or 0.0:.2f}x)"
+            k, k_source = 0, _tagged(m_source, f"K* = 0, best tree {m.tree.speedup or 0.0:.2f}x")
     batch_size = int(cfg.get("batch_size") or 1)
     measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
     if measured_k is not None and cfg.get("k") is None and not use_tree:
@@ -207,7 +272,7 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     return DraftSettings(k=k, k_source=k_source, tree=use_tree,
                          tree_size=int(tree_size if tree_size is not None else DEFAULT_TREE_SIZE),
                          tree_topk=int(cfg.get("tree_topk", 8)), medusa_branching=branching,
-                         draft_vocab=size)
+                         draft_vocab=size, tree_draw=str(cfg.get("tree_draw", "sample")))
 
 
 # ----------------------------------------------------------------------------- load and build

@@ -17,7 +17,8 @@ import torch
 from eval.cost import Costs, choose_kstar
 from eval.decoder import SpeculativeDecoder
 from eval.machine import environment
-from eval.proposers import DecodeContext, Proposer, Sampling
+from eval.proposal import DecodeContext, Sampling
+from eval.proposers import Proposer
 from eval.stats import DecodeStats
 from eval.target_model import Target
 

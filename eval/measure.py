@@ -12,8 +12,10 @@ in this run, for the measured speedup; (4b) for EAGLE and draft-LM packages, dec
 with the dynamic tree at every (depth, size) of ``tree_depths`` x ``tree_sizes`` (Medusa: each
 static tree of ``medusa_branchings``) and keep the fastest shape (the tree analogue of K*: how
 many nodes pay depends on how the target's forward cost grows with width on this machine); (5)
-write the record with :func:`heads.package.update_package_json` (the manifest stays valid).
-``eval/decode.py`` with ``k=null`` then starts from this K*.
+write the record with :func:`heads.package.update_package_json` (the manifest stays valid),
+beside the records measured at other temperatures (``temperature=1`` adds the sampling record
+and keeps the greedy one). ``eval/decode.py`` with ``k=null`` then starts from the K* and tree
+measured at the temperature nearest its own.
 
 Chains are measured for every family (Medusa: the top-1 candidate of each head), since
 per-position acceptance needs exactly one draft per position.
@@ -36,7 +38,7 @@ from data.prompts import check_prompt_set
 from eval import session
 from eval.checks import check_noise_tolerance, check_sampling, integer
 from eval.decode import CONF_DIR
-from eval.draft import build_proposer, load_draft, settle
+from eval.draft import build_proposer, load_draft, merge_record, settle
 from eval.kstar import measure_speculation
 from eval.proposers import Proposer
 from eval.proposers_medusa import medusa_choices
@@ -285,8 +287,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         rec["draft_vocab"] = vocab_rec
     rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
-    if cfg.write:
-        update_package_json(pkg.path, "speculation.json", rec)
+    if cfg.write:  # beside the records of other temperatures (eval.draft.merge_record)
+        update_package_json(pkg.path, "speculation.json", merge_record(pkg.speculation, rec))
     return rec
 
 

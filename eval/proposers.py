@@ -15,192 +15,24 @@ target. The protocol (all token ids are *target* vocabulary ids):
    state (KV cache, features) back to the committed sequence.
 
 This file holds the interface and the families that need no target features (plain, prompt
-lookup, draft LM) plus Medusa; EAGLE lives in :mod:`eval.proposers_eagle`.
+lookup, draft LM); EAGLE lives in :mod:`eval.proposers_eagle`, Medusa in
+:mod:`eval.proposers_medusa`, what passes between decoder and proposer (``Sampling``,
+``DecodeContext``, ``Proposal``) in :mod:`eval.proposal` and the dynamic tree both EAGLE and
+the draft LM draft with in :mod:`eval.tree`.
 """
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from eval.proposal import DecodeContext, Proposal
 from eval.target_model import TargetOutput, cache_kwarg, native_gqa
-from eval.verify import warp
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings shared by target and draft (``temperature == 0`` is greedy)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        """Temperature 0: every token is the argmax, a point mass that needs no distribution."""
-        return self.temperature == 0
-
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        return warp(logits, self.temperature, self.top_k, self.top_p)
-
-    def token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """One token from raw ``logits (V,)``: the argmax when greedy, else a sample from the
-        warped distribution (``sample_with_q`` when a draft needs that distribution too)."""
-        if self.greedy:
-            return int(logits.argmax())
-        return self.sample_with_q(logits, generator)[0]
-
-    def sample_with_q(self, logits: torch.Tensor,
-                      generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
-        """A token sampled from the warped distribution of raw ``logits (V,)``, and that
-        distribution (a draft's ``q``). Not for greedy decoding: a greedy draft is a point mass,
-        which the verifier takes without a one-hot (``Proposal.q`` None), so none is built."""
-        if self.greedy:
-            raise ValueError("greedy decoding draws no distribution; use Sampling.token")
-        q = self.warp(logits)
-        # the draw happens on the generator's device (the target's; a draft elsewhere moves q)
-        on = q if generator is None or q.device == generator.device else q.to(generator.device)
-        return int(torch.multinomial(on, 1, generator=generator)), q
-
-
-@dataclass
-class DecodeContext:
-    """What a proposer may look at: the committed sequence and the sampling settings."""
-
-    tokens: list[int]
-    sampling: Sampling = field(default_factory=Sampling)
-    generator: torch.Generator | None = None
-
-
-@dataclass
-class Proposal:
-    """Drafted tokens as a tree (a chain is the tree with ``parents = [-1, 0, 1, ...]``).
-
-    Attributes:
-        tokens: ``(N,)`` long, target ids, topologically ordered.
-        parents: ``(N,)`` long, parent node index or ``-1`` for children of the pending token.
-        q: ``(N, V)`` the distribution each node was drawn from, or ``None`` when every node is a
-            deterministic choice (point mass on its token).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    q: torch.Tensor | None = None
-
-    @staticmethod
-    def chain(tokens: Sequence[int], q: torch.Tensor | None = None) -> Proposal:
-        n = len(tokens)
-        return Proposal(torch.tensor(list(tokens), dtype=torch.long),
-                        torch.arange(-1, n - 1, dtype=torch.long), q)
-
-    @staticmethod
-    def empty() -> Proposal:
-        return Proposal.chain([])
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def is_chain(self) -> bool:
-        n = len(self)
-        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
-
-    def depth(self) -> torch.Tensor:
-        """``(N,)`` depth of each node (1 for children of the pending token)."""
-        d = torch.zeros(len(self), dtype=torch.long)
-        for j, par in enumerate(self.parents.tolist()):
-            d[j] = 1 if par < 0 else d[par] + 1
-        return d
-
-
-# ----- the EAGLE-2 dynamic draft tree (used by the EAGLE head and the draft LM) ---------------
-# Drafting a tree of depth D: the root's top-k tokens are depth-1 nodes; at each further depth the
-# k frontier nodes with the highest cumulative draft log-probability are fed to the drafter in one
-# forward (a tree attention mask over its cache: the committed prefix, fed ancestors and the node
-# itself) and each gets its top-k children. Finally the total_tokens best nodes of all depths are
-# kept (plus any missing ancestors). Every choice is a deterministic top-k pick, so each node is a
-# point mass for verification and the tree is lossless at any temperature. DynamicTree is only the
-# bookkeeping; the drafter's forward stays with the proposer.
-
-class DynamicTree:
-    """EAGLE-2 dynamic tree bookkeeping: nodes drafted so far, their scores, and the order in
-    which they were fed to the drafter's cache.
-
-    Args:
-        topk: children per expanded node, and nodes expanded per depth.
-        to_target: maps drafter token ids to target ids (reduced vocabularies); identity if None.
-    """
-
-    def __init__(self, topk: int,
-                 to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        if topk < 1:
-            raise ValueError(f"topk must be >= 1, got {topk}")
-        self.topk = topk
-        self.to_target = to_target
-        self.tokens: list[int] = []   # target ids
-        self.scores: list[float] = []  # cumulative draft log-prob
-        self.parents: list[int] = []
-        self.depths: list[int] = []
-        self.fed: list[int] = []  # nodes fed to the drafter, in its cache order
-
-    def add_children(self, parent: int, logp: torch.Tensor) -> list[int]:
-        """Add the top-``k`` tokens of ``logp (V,)`` (log-probs after ``parent``; ``-1`` = the
-        committed sequence) as children; returns their node indices."""
-        top = torch.topk(logp, min(self.topk, logp.shape[-1]))
-        ids = top.indices if self.to_target is None else self.to_target(top.indices)
-        base = self.scores[parent] if parent >= 0 else 0.0
-        depth = self.depths[parent] + 1 if parent >= 0 else 1
-        new = []
-        for lp, tid in zip(top.values.tolist(), ids.tolist()):
-            new.append(len(self.tokens))
-            self.tokens.append(int(tid))
-            self.scores.append(base + lp)
-            self.parents.append(parent)
-            self.depths.append(depth)
-        return new
-
-    def expand(self, frontier: list[int]) -> list[int]:
-        """The ``k`` frontier nodes with the best cumulative score (to feed next)."""
-        return sorted(frontier, key=lambda j: -self.scores[j])[: self.topk]
-
-    def feed(self, nodes: list[int], n_cached: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record ``nodes`` as fed after the drafter's ``n_cached`` committed entries and the nodes
-        fed before; returns their attention mask ``(n, n_cached + fed)`` (bool: the committed
-        prefix, fed ancestors, self) and position ids ``(n,)`` (``n_cached + depth - 1``)."""
-        self.fed.extend(nodes)
-        fed_pos = {node: i for i, node in enumerate(self.fed)}
-        mask = torch.zeros(len(nodes), n_cached + len(self.fed), dtype=torch.bool)
-        mask[:, :n_cached] = True
-        for row, j in enumerate(nodes):
-            node = j
-            while node >= 0:
-                if node in fed_pos:
-                    mask[row, n_cached + fed_pos[node]] = True
-                node = self.parents[node]
-        pos = torch.tensor([n_cached + self.depths[j] - 1 for j in nodes], dtype=torch.long)
-        return mask, pos
-
-    def proposal(self, total: int) -> Proposal:
-        """Keep the ``total`` best nodes (ties: shallower first) plus any missing ancestors, in
-        topological order (by depth, then score)."""
-        order = sorted(range(len(self.tokens)), key=lambda j: (-self.scores[j], self.depths[j], j))
-        keep = set(order[:total])
-        for j in list(keep):
-            node = self.parents[j]
-            while node >= 0 and node not in keep:
-                keep.add(node)
-                node = self.parents[node]
-        kept = sorted(keep, key=lambda j: (self.depths[j], -self.scores[j], j))
-        new_index = {j: i for i, j in enumerate(kept)}
-        return Proposal(
-            torch.tensor([self.tokens[j] for j in kept], dtype=torch.long),
-            torch.tensor([new_index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in kept],
-                         dtype=torch.long))
+from eval.tree import DynamicTree
 
 
 class Proposer:
@@ -321,7 +153,8 @@ class DraftVocabMixin:
         """The proposer drafting with ``module`` as ``settings`` (``eval.draft.DraftSettings``)
         say: a chain, or a dynamic tree of ``tree_size`` nodes from the top ``tree_topk``."""
         return cls(module, vocab_size, tree=settings.tree, topk=settings.tree_topk,
-                   total_tokens=settings.tree_size, vocab_ids=vocab_ids)
+                   total_tokens=settings.tree_size, vocab_ids=vocab_ids,
+                   tree_draw=settings.tree_draw)
 
     d2t: torch.Tensor | None = None
     vocab_size: int
@@ -348,8 +181,9 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
     The draft's cache holds a prefix of the committed sequence; ``propose`` feeds whatever is
     missing (the prompt on the first call, then the last accepted draft and the new pending token),
     then either samples ``k`` tokens from the warped draft distribution (chain) or builds a dynamic
-    tree ``k`` deep from the draft's top-``topk`` tokens (:class:`DynamicTree`; deterministic
-    choices, so point masses), and ``accept`` crops the cache back to the committed prefix.
+    tree ``k`` deep with ``topk`` children per expanded node (:class:`DynamicTree`: the top-k
+    when greedy, draws without replacement when sampling), and ``accept`` crops the cache back to
+    the committed prefix.
 
     Args:
         model: a causal LM sharing the target's vocabulary (``logits`` of width >= ``vocab_size``).
@@ -360,14 +194,18 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`): only
             these rows of the LM head are computed, and ``q`` is zero elsewhere (lossless, as any
             ``q``). None drafts over the whole vocabulary.
+        tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
+            (:data:`eval.tree.TREE_DRAWS`).
     """
 
     kind = "lm"
 
     def __init__(self, model: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
-                 total_tokens: int = 60, vocab_ids: torch.Tensor | None = None) -> None:
+                 total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
+                 tree_draw: str = "sample") -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
+        self.tree_draw = tree_draw
         self.model = model
         self.vocab_size = vocab_size
         self.tree, self.topk, self.total_tokens = tree, topk, total_tokens
@@ -428,7 +266,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         logits = self._step(seq[self._cached():])
         self._base = len(seq)
         if self.tree:
-            return self._propose_tree(logits, k)
+            return self._propose_tree(logits, k, ctx)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
@@ -444,22 +282,23 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         self._fed_drafts = k - 1
         return Proposal.chain(drafts, None if ctx.sampling.greedy else torch.stack(qs))
 
-    def _propose_tree(self, root_logits: torch.Tensor, depth: int) -> Proposal:
+    def _propose_tree(self, root_logits: torch.Tensor, depth: int,
+                      ctx: DecodeContext) -> Proposal:
         """EAGLE-2 dynamic tree (:class:`DynamicTree`) from the draft LM: each depth feeds the
         expanded nodes' tokens in one forward with a tree mask; the cache is cropped back to the
         committed prefix after."""
-        tree = DynamicTree(self.topk, self._to_target)
-        frontier = tree.add_children(-1, torch.log_softmax(root_logits, dim=-1))
+        tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
+                           self._scatter_q, self.tree_draw)
+        frontier = tree.add_children(-1, root_logits)
         for _ in range(2, depth + 1):
             expand = tree.expand(frontier)
             mask, pos = tree.feed(expand, self._base)
             logits = self._forward([tree.tokens[j] for j in expand],
                                    position_ids=pos.view(1, -1).to(self.device),
                                    attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            logp = torch.log_softmax(logits, dim=-1)  # (n, V)
             frontier = []
             for row, j in enumerate(expand):
-                frontier.extend(tree.add_children(j, logp[row]))
+                frontier.extend(tree.add_children(j, logits[row]))
         self._fed_drafts = 0  # tree nodes are dropped below; accepted ones are re-fed next step
         cached = self._cached()
         if cached > self._base:

@@ -15,15 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eval.proposers import (
-    DecodeContext,
-    DraftVocabMixin,
-    DynamicTree,
-    Proposal,
-    Proposer,
-    head_rows,
-)
+from eval.proposal import DecodeContext, Proposal
+from eval.proposers import DraftVocabMixin, Proposer, head_rows
 from eval.target_model import TargetOutput
+from eval.tree import DynamicTree
 
 
 class EagleProposer(DraftVocabMixin, Proposer):
@@ -36,25 +31,29 @@ class EagleProposer(DraftVocabMixin, Proposer):
             ``cfg.fuse_layers``.
         vocab_size: the target's vocabulary size.
         tree: ``False`` drafts a chain sampled from the warped draft distribution (``q`` rows are
-            returned); ``True`` builds the EAGLE-2 dynamic tree of deterministic top-k choices
-            (point masses).
+            returned); ``True`` builds the EAGLE-2 dynamic tree (:class:`~eval.tree.DynamicTree`):
+            top-k choices when greedy, draws without replacement when sampling.
         topk: branching factor of the dynamic tree (children per expanded node and nodes expanded
             per depth).
         total_tokens: nodes kept after the final rerank of the dynamic tree.
         vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`) for a
             full-vocabulary head: only these rows of the LM head are computed and ``q`` is zero
             elsewhere (lossless, as any ``q``). None: the head's own vocabulary.
+        tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
+            (:data:`~eval.tree.TREE_DRAWS`).
     """
 
     kind = "eagle"
 
     def __init__(self, head: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
-                 total_tokens: int = 60, vocab_ids: torch.Tensor | None = None) -> None:
+                 total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
+                 tree_draw: str = "sample") -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
         self.head = head
         self.vocab_size = vocab_size
         self.tree = tree
+        self.tree_draw = tree_draw
         self.topk = topk
         self.total_tokens = total_tokens
         cfg = getattr(head, "cfg", None)
@@ -140,7 +139,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
             return Proposal.empty()
         last = self._feed_true()
         if self.tree:
-            return self._propose_tree(last, k)
+            return self._propose_tree(last, k, ctx)
         return self._propose_chain(last, k, ctx)
 
     def _propose_chain(self, last: torch.Tensor, k: int, ctx: DecodeContext) -> Proposal:
@@ -161,17 +160,19 @@ class EagleProposer(DraftVocabMixin, Proposer):
                 last = self.head(last, ids, past_key_values=self.cache, position_ids=pos)
         return Proposal.chain(drafts, None if ctx.sampling.greedy else torch.stack(qs))
 
-    def _propose_tree(self, root_hidden: torch.Tensor, depth: int) -> Proposal:
-        """EAGLE-2 (:class:`~eval.proposers.DynamicTree`): an expanded node is fed as (its parent's
+    def _propose_tree(self, root_hidden: torch.Tensor, depth: int,
+                      ctx: DecodeContext) -> Proposal:
+        """EAGLE-2 (:class:`~eval.tree.DynamicTree`): an expanded node is fed as (its parent's
         head output, its token), so its children come from the head's prediction after it."""
-        tree = DynamicTree(self.topk, self._to_target)
+        tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
+                           self._scatter_q, self.tree_draw)
         hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
 
-        def log_probs(hidden: torch.Tensor) -> torch.Tensor:
-            """``(n, H)`` head outputs -> ``(n, Vd)`` log-probs, one LM-head call for all rows."""
-            return torch.log_softmax(self._logits(hidden.unsqueeze(0))[0], dim=-1)
+        def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+            """``(n, H)`` head outputs -> ``(n, Vd)`` logits, one LM-head call for all rows."""
+            return self._logits(hidden.unsqueeze(0))[0]
 
-        frontier = tree.add_children(-1, log_probs(root_hidden[0])[0])
+        frontier = tree.add_children(-1, logits_of(root_hidden[0])[0])
         for _ in range(2, depth + 1):
             expand = tree.expand(frontier)
             feats = torch.stack([root_hidden[0, 0] if tree.parents[j] < 0
@@ -183,11 +184,11 @@ class EagleProposer(DraftVocabMixin, Proposer):
             out = self.head(feats, ids, past_key_values=self.cache,  # (1, n, H)
                             position_ids=pos.view(1, -1).to(self.device),
                             attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            logp = log_probs(out[0])  # (n, Vd)
+            logits = logits_of(out[0])  # (n, Vd)
             frontier = []
             for row, j in enumerate(expand):
                 hidden_of[j] = out[0, row]
-                frontier.extend(tree.add_children(j, logp[row]))
+                frontier.extend(tree.add_children(j, logits[row]))
         cached = int(self.cache.get_seq_length())
         if cached > self.n_true:
             self.cache.crop(self.n_true - cached)

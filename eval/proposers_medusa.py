@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from eval.proposers import DecodeContext, Proposal, Proposer, fit_vocab
+from eval.proposal import DecodeContext, Proposal
+from eval.proposers import Proposer, fit_vocab
 from eval.target_model import TargetOutput
 
 

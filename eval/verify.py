@@ -17,7 +17,11 @@ Lossless rules implemented here:
   (top-k of a draft head, prompt lookup) are point masses: ``q_c = one_hot(x_c)``. Then the
   acceptance probability is ``r(x_c)`` and the residual is ``r`` with ``x_c`` removed, which is
   exactly lossless for any deterministic choice of candidates. Children sampled i.i.d. from one
-  ``q`` (with replacement) pass that same ``q`` for every sibling; this is also lossless.
+  ``q`` (with replacement) pass that same ``q`` for every sibling; children drawn *without*
+  replacement (the dynamic tree when sampling, ``eval.proposers.DynamicTree``) pass, for sibling
+  ``i``, ``q`` without siblings ``0..i-1``, renormalised, and are tried in draw order. Both are
+  lossless: each sibling is one rejection-sampling step of the current residual with the
+  distribution that sibling was actually drawn from.
 * At temperature 0 the warped distributions are one-hot and both rules reduce to exact greedy
   matching (accept iff the draft equals the target's argmax; the next token is the argmax).
   :func:`verify_greedy` computes that directly from the target's argmax per row, without the

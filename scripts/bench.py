@@ -156,10 +156,10 @@ def draft_paths(cfg: DictConfig) -> dict[str, str]:
     return drafts
 
 
-def measured_tree(path: str, cfg: DictConfig) -> int | None:
-    """The depth of the package's measured tree shape for this run (``speculation.json``), or
-    None."""
-    measured, _ = Measured.of(speculation_of(path), cfg.dtype, cfg.device)
+def measured_tree(path: str, cfg: DictConfig, temperature: float | None = None) -> int | None:
+    """The depth of the package's measured tree shape for this run (``speculation.json``, the
+    record measured nearest ``temperature``; None: the top-level one), or None."""
+    measured, _ = Measured.of(speculation_of(path), cfg.dtype, cfg.device, temperature)
     return measured.tree.depth if measured is not None and measured.tree is not None else None
 
 
@@ -179,9 +179,9 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
         assistant = pkg.module.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).eval()
     # a measured dynamic tree runs too; assisted generation then also runs at its depth, so
     # that each of ours has transformers' assisted generation at the same K
-    tree_depth_of = {fam: measured_tree(path, cfg) if cfg.k is None else None
-                     for fam, path in drafts.items()}
-    lm_tree_depth = tree_depth_of.get(assist)
+    tree_depth_of = {(fam, t): measured_tree(path, cfg, t) if cfg.k is None else None
+                     for fam, path in drafts.items() for t in [None, *map(float, cfg.temperatures)]}
+    lm_tree_depth = tree_depth_of.get((assist, None))
     vocab_of = {}
     for fam, path in drafts.items():
         measured, _ = Measured.of(speculation_of(path), cfg.dtype, cfg.device)
@@ -223,7 +223,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             if family.tree is TreeKind.STATIC:  # its tree is how it drafts
                 modes = [("tree", fam)]
             else:  # the chain, and the dynamic tree where it is the default or was measured
-                tree_runs = family.tree_by_default or tree_depth_of[fam]
+                tree_runs = family.tree_by_default or tree_depth_of[fam, t]
                 modes = [("chain", fam)] + ([("tree", f"{fam}-tree")] if tree_runs else [])
             # a measured frequent-token draft vocabulary runs as the default; the tree also runs
             # over the whole vocabulary, which shows what the smaller LM head buys
@@ -233,7 +233,7 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             for tree, name in modes:
                 for vocab, suffix in vocabs if tree == "tree" else vocabs[:1]:
                     note(f"T={t}: ours {name}{suffix}")
-                    depth = tree_depth_of[fam] if tree == "tree" else None
+                    depth = tree_depth_of[fam, t] if tree == "tree" else None
                     if depth:  # the measured tree shape (also where it does not pay: shown as such)
                         res = _ours(cfg, loaded, path, t, depth, tree, draft_vocab=vocab)
                         res["summary"]["k_source"] = "speculation.json (tree)"

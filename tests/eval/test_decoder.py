@@ -9,14 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from eval.decoder import SpeculativeDecoder
-from eval.proposers import (
-    DecodeContext,
-    DraftLMProposer,
-    PlainProposer,
-    PromptLookupProposer,
-    Proposal,
-    Proposer,
-)
+from eval.proposal import DecodeContext, Proposal
+from eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer, Proposer
 from eval.proposers_eagle import EagleProposer
 from eval.proposers_medusa import MedusaProposer, medusa_choices
 from eval.target_model import Target

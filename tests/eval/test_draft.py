@@ -113,3 +113,43 @@ def test_every_family_names_a_proposer_that_builds_from_settings():
         cls = draft.proposer_class(family)
         assert callable(cls.for_draft), family.name
         assert family.tree in TreeKind
+
+
+def _record(temperature: float, k_star: int, depth: int, nodes: int, tree_speedup: float,
+            chain_speedup: float) -> dict:
+    return {"k_star": k_star, "dtype": "bfloat16", "hardware": {"device": "cpu"},
+            "measured": {"temperature": temperature},
+            "measured_speedup": {"speedup": chain_speedup},
+            "tree": {"depth": depth, "total_tokens": nodes, "speedup": tree_speedup}}
+
+
+def test_each_temperature_drafts_from_the_record_measured_nearest_it():
+    greedy = _record(0.0, 5, 4, 16, 2.3, 1.8)  # the tree wins greedily
+    sampled = _record(1.0, 2, 2, 8, 1.05, 1.2)  # the chain wins when sampling
+    spec = draft.merge_record(draft.merge_record(None, sampled), greedy)
+    assert spec["k_star"] == 5 and set(spec["by_temperature"]) == {"1"}  # greedy on top
+    plan = _plan("eagle", spec, temperature=0.0)
+    assert (plan.tree, plan.k, plan.tree_size, plan.k_source) == (
+        True, 4, 16, "speculation.json (T = 0, tree)")
+    plan = _plan("eagle", spec, temperature=0.8)  # nearer 1 than 0
+    assert (plan.tree, plan.k, plan.k_source) == (False, 2, "speculation.json (T = 1)")
+    assert _plan("eagle", spec, temperature=0.5).k == 4  # a tie takes the lower temperature
+    # the twin: without the sampled record every temperature drafts the greedy tree
+    only_greedy = draft.merge_record(None, greedy)
+    plan = _plan("eagle", only_greedy, temperature=1.0)
+    assert (plan.tree, plan.k, plan.k_source) == (True, 4, "speculation.json (tree)")
+
+
+def test_merging_a_record_replaces_its_temperature_and_keeps_the_rest():
+    spec = draft.merge_record(None, _record(1.0, 2, 2, 8, 1.0, 1.2))
+    assert spec["k_star"] == 2 and "by_temperature" not in spec  # only one: it is the top
+    spec["batch"] = {"k_star": {"1": 3}}
+    spec = draft.merge_record(spec, _record(0.0, 5, 4, 16, 2.3, 1.8))
+    assert (spec["k_star"], spec["by_temperature"]["1"]["k_star"]) == (5, 2)
+    assert spec["batch"] == {"k_star": {"1": 3}}  # shared keys are kept
+    spec = draft.merge_record(spec, _record(1.0, 3, 3, 16, 1.1, 1.3))  # re-measured at T = 1
+    assert (spec["k_star"], spec["by_temperature"]["1"]["k_star"]) == (5, 3)
+    assert [draft.record_temperature(r) for r in draft.records_of(spec)] == [0.0, 1.0]
+    assert "batch" not in spec["by_temperature"]["1"] and "batch" not in draft.records_of(spec)[0]
+    # an older record without a measured temperature is the greedy one
+    assert draft.record_at({"k_star": 1}, 1.0) == ({"k_star": 1}, 0.0)

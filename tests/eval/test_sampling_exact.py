@@ -267,7 +267,8 @@ DEEP_V, DEEP_NEW, DEEP_K, DEEP_SAMPLES = 2, 6, 3, 600
 DEEP_PROMPT = [1, 0, 1]
 DEEP_SETTINGS = [{"temperature": 0.7, "top_k": 0, "top_p": 1.0},
                  {"temperature": 1.0, "top_k": 0, "top_p": 1.0}]
-DEEP_KINDS = ["lm-chain", "lm-tree", "eagle-chain", "eagle-tree"]
+DEEP_KINDS = ["lm-chain", "lm-tree", "eagle-chain", "eagle-tree"]  # trees: children drawn
+TOPK_TREES = ["lm-tree-topk", "eagle-tree-topk"]  # trees of the draft's top-k (point masses)
 
 
 def _binary_llama(seed: int):
@@ -298,7 +299,7 @@ class WrongQAtDepth3:
         self.inner.accept(path, new_tokens, target_out)
 
     def propose(self, ctx, k):
-        from eval.proposers import Proposal
+        from eval.proposal import Proposal
 
         prop = self.inner.propose(ctx, k)
         q = (prop.q if prop.q is not None
@@ -316,10 +317,11 @@ def _deep_proposer(kind: str, model):
     from heads.eagle import EagleConfig, build_eagle
     from tests.conftest import randomize
 
-    tree = kind.endswith("tree")
+    tree = "-tree" in kind
+    draw = "topk" if kind.endswith("-topk") else "sample"
     if kind.startswith("lm"):  # the target plus noise: long accepted prefixes, some rejections
         draft = randomize(randomize(copy.deepcopy(model), seed=2), seed=5)
-        return DraftLMProposer(draft, DEEP_V, tree=tree, topk=2, total_tokens=10)
+        return DraftLMProposer(draft, DEEP_V, tree=tree, topk=2, total_tokens=10, tree_draw=draw)
     # an EAGLE head that is the target's layer over the token embeddings (plus a little of the
     # target's features, and noise): it agrees with the target often enough to reach depth 3
     head = build_eagle(EagleConfig(layout="normed", init_layer=0), model)
@@ -328,7 +330,8 @@ def _deep_proposer(kind: str, model):
         head.fc.bias.zero_()
         head.fc.weight[:, :h] = 0.3 * torch.randn(h, h, generator=torch.Generator().manual_seed(5))
         head.fc.weight[:, h:] = torch.eye(h)
-    return EagleProposer(randomize(head, seed=3), DEEP_V, tree=tree, topk=2, total_tokens=10)
+    return EagleProposer(randomize(head, seed=3), DEEP_V, tree=tree, topk=2, total_tokens=10,
+                         tree_draw=draw)
 
 
 def _deep_exact(model, setting: dict) -> torch.Tensor:
@@ -365,14 +368,139 @@ def _deep_p_value(kind: str, setting: dict, corrupt: bool = False) -> float:
 
 
 @pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
-@pytest.mark.parametrize("kind", DEEP_KINDS)
+@pytest.mark.parametrize("kind", DEEP_KINDS + TOPK_TREES)
 def test_deep_chains_and_trees_sample_exactly(kind, setting):
     assert _deep_p_value(kind, setting) > 0.01
 
 
 @pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
-@pytest.mark.parametrize("kind", DEEP_KINDS)
+@pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"] + TOPK_TREES)
 def test_twin_a_wrong_q_at_the_third_position_fails(kind, setting):
-    """Twin: the same test with q misaligned at draft position 3 only."""
+    """Twin: the same test with q misaligned at draft position 3 only. (Drawn trees are left
+    out: over two ids both children of a node are drawn, the second one with certainty, so a
+    misaligned q barely moves the outputs; their twins are the drawn-tree tests below.)"""
     p = _deep_p_value(kind, setting, corrupt=True)
     assert p < 1e-3, f"{kind} with a wrong q at position 3 passed the exactness test: p = {p:.3g}"
+
+
+# ------------------------------------------------------ the dynamic tree's own draws (sampling)
+# DynamicTree itself on the toy tables: children drawn without replacement from q (Gumbel-top-k),
+# each verified with the q it was drawn from (the parent's q without the earlier siblings). Twins:
+# every sibling verified with the parent's whole q, and siblings verified in score order instead
+# of draw order; each must fail the same test.
+DRAWN_SAMPLES, DRAWN_TOPK, DRAWN_TOTAL = 6_000, 3, 5
+
+
+def _row(table: torch.Tensor, seq: list[int]) -> torch.Tensor:
+    """The toy's table row after the generated tokens ``seq``."""
+    return table[ctx_id(torch.tensor([seq]), len(seq))][0]
+
+
+def drawn_tree_outputs(toy: Toy, seed: int) -> torch.Tensor:
+    """DRAWN_SAMPLES outputs of NEW tokens, each step a DynamicTree drawn from the toy's q."""
+    from eval.proposal import Sampling
+    from eval.tree import DynamicTree
+
+    g = torch.Generator().manual_seed(seed)
+    sampling = Sampling(temperature=1.0)  # the tables are warped already: warp(log q) = q
+    outs = []
+    for _ in range(DRAWN_SAMPLES):
+        seq: list[int] = []
+        while len(seq) < NEW:
+            depth = NEW - len(seq) - 1
+
+            if depth == 0:
+                seq.append(int(_draw(_row(toy.p, seq).unsqueeze(0), g)))
+                continue
+            tree = DynamicTree(DRAWN_TOPK, sampling=sampling, generator=g)
+            path_of = {-1: []}
+            frontier = tree.add_children(-1, _row(toy.q, seq).log())
+            for j in frontier:
+                path_of[j] = [tree.tokens[j]]
+            for _ in range(2, depth + 1):
+                new = []
+                for j in tree.expand(frontier):
+                    for c in tree.add_children(j, _row(toy.q, seq + path_of[j]).log()):
+                        path_of[c] = path_of[j] + [tree.tokens[c]]
+                        new.append(c)
+                frontier = new
+            prop = tree.proposal(DRAWN_TOTAL)
+            kept = tree.kept
+            p = torch.stack([_row(toy.p, seq)] + [_row(toy.p, seq + path_of[j]) for j in kept])
+            acc, nxt = verify_tree_batch(p.unsqueeze(0), prop.q.unsqueeze(0), prop.tokens,
+                                         prop.parents, g)
+            seq += prop.tokens[acc[0]].tolist() + [int(nxt[0])]
+        out = seq[:NEW]
+        outs.append((out[0] * V + out[1]) * V + out[2])
+    return torch.tensor(outs)
+
+
+def test_drawn_dynamic_tree_samples_exactly():
+    toy = Toy(**SETTINGS[1])
+    assert chi_square_p(drawn_tree_outputs(toy, seed=3), toy.exact()) > 0.01
+
+
+def test_twin_drawn_siblings_verified_with_the_parents_whole_q_fails(monkeypatch):
+    from eval.tree import DynamicTree
+
+    def whole_q(self, kept):
+        return torch.stack([self.q_of[self.parents[j]] for j in kept])
+
+    monkeypatch.setattr(DynamicTree, "_q_rows", whole_q)
+    toy = Toy(**SETTINGS[1])
+    assert chi_square_p(drawn_tree_outputs(toy, seed=3), toy.exact()) < 0.01
+
+
+def test_twin_drawn_siblings_verified_in_score_order_fails(monkeypatch):
+    from eval.tree import DynamicTree
+
+    def score_order(self, j):
+        return (self.depths[j], -self.scores[j], j)
+
+    monkeypatch.setattr(DynamicTree, "_order", score_order)
+    toy = Toy(**SETTINGS[1])
+    assert chi_square_p(drawn_tree_outputs(toy, seed=3), toy.exact()) < 0.01
+
+
+def test_a_drawn_tree_keeps_its_budget_draw_order_and_distinct_siblings():
+    from eval.proposal import Sampling
+    from eval.tree import DynamicTree
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, V, generator=g)
+    for total in (1, 3, 5, 9):
+        tree = DynamicTree(3, sampling=Sampling(temperature=1.0, top_p=0.9), generator=g)
+        frontier, row = tree.add_children(-1, logits[0]), 1
+        for _ in range(2):
+            new = []
+            for j in tree.expand(frontier):
+                new += tree.add_children(j, logits[row])
+                row += 1
+            frontier = new
+        prop = tree.proposal(total)
+        kept = tree.kept
+        assert 1 <= len(kept) <= total
+        for i, j in enumerate(kept):
+            par = tree.parents[j]
+            sibs = tree.children[par]
+            assert len({tree.tokens[s] for s in sibs}) == len(sibs)  # drawn without replacement
+            assert par < 0 or par in kept
+            assert all(s in kept for s in sibs[: sibs.index(j)])  # earlier siblings kept too
+            q = prop.q[i]
+            assert abs(float(q.sum()) - 1) < 1e-5 and float(q[tree.tokens[j]]) > 0
+            assert all(float(q[tree.tokens[s]]) == 0 for s in sibs[: sibs.index(j)])
+        assert len(tree.children[-1]) <= int((tree.q_of[-1] > 0).sum())  # no zero-q children
+
+
+def test_a_greedy_tree_is_the_top_k_of_point_masses():
+    from eval.proposal import Sampling
+    from eval.tree import DynamicTree
+
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(1))
+    for sampling, draw in ((Sampling(temperature=0.0), "sample"),
+                           (Sampling(temperature=1.0), "topk")):
+        tree = DynamicTree(3, sampling=sampling, draw=draw)
+        tree.add_children(-1, logits)
+        prop = tree.proposal(3)
+        assert prop.q is None
+        assert prop.tokens.tolist() == torch.topk(logits, 3).indices.tolist()

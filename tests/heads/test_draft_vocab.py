@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eval.decoder import SpeculativeDecoder
-from eval.proposers import DecodeContext, DraftLMProposer, Sampling, head_rows
+from eval.proposal import DecodeContext, Sampling
+from eval.proposers import DraftLMProposer, head_rows
 from eval.proposers_eagle import EagleProposer
 from heads.vocab import (
     TOKEN_FREQUENCY,

@@ -1,0 +1,176 @@
+"""The EAGLE-2 dynamic draft tree's bookkeeping, shared by the EAGLE head and the draft LM
+(:mod:`eval.proposers`, :mod:`eval.proposers_eagle`); the drafter's forward stays with them."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from eval.proposal import Proposal, Sampling
+
+# ----- the EAGLE-2 dynamic draft tree (used by the EAGLE head and the draft LM) ---------------
+# Drafting a tree of depth D: the root's k candidate tokens are depth-1 nodes; at each further
+# depth the k frontier nodes with the highest cumulative draft log-probability are fed to the
+# drafter in one forward (a tree attention mask over its cache: the committed prefix, fed ancestors
+# and the node itself) and each gets k children. Finally the total_tokens best nodes of all depths
+# are kept, each with what it needs (see below). DynamicTree is only the bookkeeping; the
+# drafter's forward stays with the proposer.
+#
+# How a node's k children are chosen decides what verification needs to stay lossless:
+# * greedy decoding, or ``draw="topk"``: the draft's top-k tokens, deterministic choices, so each
+#   node is a point mass (``Proposal.q`` None) and is accepted with the residual's mass on it;
+# * sampling with ``draw="sample"``: k tokens drawn *without replacement* from the warped draft
+#   distribution q (Gumbel-top-k: the top k of log q + Gumbel noise, in that order, are sequential
+#   draws). Sibling i was drawn from q with siblings 0..i-1 removed and renormalised, and that is
+#   the q it is verified with (recursive rejection sampling, eval/verify.py). A calibrated draft
+#   then has its first child accepted with probability sum(min(p, q)) instead of p(top-1): at
+#   T = 1 that is most of the gain. Siblings must be verified in draw order and a kept sibling's
+#   earlier siblings are kept too (dropping one would change the later ones' q).
+TREE_DRAWS = ("topk", "sample")
+
+
+class DynamicTree:
+    """EAGLE-2 dynamic tree bookkeeping: nodes drafted so far, their scores, and the order in
+    which they were fed to the drafter's cache.
+
+    Args:
+        topk: children per expanded node, and nodes expanded per depth.
+        to_target: maps drafter token ids to target ids (reduced vocabularies); identity if None.
+        sampling: the decode's sampling settings; children are drawn from the warped draft
+            distribution when it is not greedy and ``draw`` is ``"sample"``.
+        generator: random generator of the draws.
+        scatter_q: maps drafter-vocabulary probabilities ``(n, Vd)`` to the target's ``(n, V)``.
+        draw: ``"sample"`` (draws without replacement when sampling) or ``"topk"`` (always the
+            top-k: point masses).
+    """
+
+    def __init__(self, topk: int,
+                 to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 sampling: Sampling | None = None, generator: torch.Generator | None = None,
+                 scatter_q: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 draw: str = "sample") -> None:
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        if draw not in TREE_DRAWS:
+            raise ValueError(f"tree_draw={draw!r}: allowed {', '.join(TREE_DRAWS)}")
+        self.topk = topk
+        self.to_target = to_target
+        self.sampling, self.generator = sampling, generator
+        self.scatter_q = scatter_q
+        self.sampled = draw == "sample" and sampling is not None and not sampling.greedy
+        self.tokens: list[int] = []   # target ids
+        self.draft_ids: list[int] = []  # drafter ids
+        self.scores: list[float] = []  # cumulative draft log-prob
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.fed: list[int] = []  # nodes fed to the drafter, in its cache order
+        self.children: dict[int, list[int]] = {}  # parent -> children in draw order
+        self.q_of: dict[int, torch.Tensor] = {}  # sampled: parent -> warped draft q (Vd,)
+        self.kept: list[int] = []  # the last proposal's nodes, in its order
+
+    def _draw(self, parent: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The children's drafter ids (in draw order) and their log-probs under the draft."""
+        if not self.sampled:
+            top = torch.topk(torch.log_softmax(logits, dim=-1),
+                             min(self.topk, logits.shape[-1]))
+            return top.indices, top.values
+        q = self.sampling.warp(logits)  # (Vd,) float32
+        self.q_of[parent] = q
+        n = min(self.topk, int((q > 0).sum()))
+        gen = self.generator
+        u = torch.rand(q.shape, generator=gen, device=gen.device if gen is not None
+                       else q.device).to(q.device).clamp_min(1e-30)
+        logq = q.log()
+        picks = torch.topk(logq - (-u.log()).log(), n).indices  # Gumbel-top-k, in draw order
+        return picks, logq[picks]
+
+    def add_children(self, parent: int, logits: torch.Tensor) -> list[int]:
+        """Add ``topk`` children of ``parent`` (``-1`` = the committed sequence) from the
+        drafter's raw ``logits (Vd,)`` after it; returns their node indices."""
+        picks, logp = self._draw(parent, logits)
+        ids = picks if self.to_target is None else self.to_target(picks)
+        base = self.scores[parent] if parent >= 0 else 0.0
+        depth = self.depths[parent] + 1 if parent >= 0 else 1
+        new = []
+        for lp, did, tid in zip(logp.tolist(), picks.tolist(), ids.tolist()):
+            new.append(len(self.tokens))
+            self.tokens.append(int(tid))
+            self.draft_ids.append(int(did))
+            self.scores.append(base + lp)
+            self.parents.append(parent)
+            self.depths.append(depth)
+        self.children[parent] = new
+        return new
+
+    def expand(self, frontier: list[int]) -> list[int]:
+        """The ``k`` frontier nodes with the best cumulative score (to feed next)."""
+        return sorted(frontier, key=lambda j: -self.scores[j])[: self.topk]
+
+    def feed(self, nodes: list[int], n_cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record ``nodes`` as fed after the drafter's ``n_cached`` committed entries and the nodes
+        fed before; returns their attention mask ``(n, n_cached + fed)`` (bool: the committed
+        prefix, fed ancestors, self) and position ids ``(n,)`` (``n_cached + depth - 1``)."""
+        self.fed.extend(nodes)
+        fed_pos = {node: i for i, node in enumerate(self.fed)}
+        mask = torch.zeros(len(nodes), n_cached + len(self.fed), dtype=torch.bool)
+        mask[:, :n_cached] = True
+        for row, j in enumerate(nodes):
+            node = j
+            while node >= 0:
+                if node in fed_pos:
+                    mask[row, n_cached + fed_pos[node]] = True
+                node = self.parents[node]
+        pos = torch.tensor([n_cached + self.depths[j] - 1 for j in nodes], dtype=torch.long)
+        return mask, pos
+
+    def _needed(self, j: int) -> list[int]:
+        """What keeping node ``j`` requires: its ancestors and, for drawn nodes, the siblings
+        drawn before it (and theirs)."""
+        need, node = [], j
+        while node >= 0:
+            if self.sampled:
+                sibs = self.children[self.parents[node]]
+                need += sibs[: sibs.index(node)]
+            node = self.parents[node]
+            if node >= 0:
+                need.append(node)
+        return need
+
+    def proposal(self, total: int) -> Proposal:
+        """At most ``total`` nodes: the best first (ties: shallower first), each with what it
+        requires (:meth:`_needed`) where that still fits, in the order of :meth:`_order` (kept in
+        ``self.kept``). Top-k trees need nothing extra (a node scores below its ancestors)."""
+        order = sorted(range(len(self.tokens)), key=lambda j: (-self.scores[j], self.depths[j], j))
+        keep: set[int] = set()
+        for j in order:  # best first, each with what it needs, while the budget holds
+            if len(keep) >= total:
+                break
+            add = {j, *self._needed(j)} - keep
+            if len(keep) + len(add) <= total:
+                keep |= add
+        kept = sorted(keep, key=self._order)
+        self.kept = kept
+        new_index = {j: i for i, j in enumerate(kept)}
+        return Proposal(
+            torch.tensor([self.tokens[j] for j in kept], dtype=torch.long),
+            torch.tensor([new_index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in kept],
+                         dtype=torch.long),
+            self._q_rows(kept) if self.sampled else None)
+
+    def _order(self, j: int) -> tuple:
+        """Sort key of a kept node: its depth (parents first), then its score; drawn nodes
+        then in draw order, which verification follows (siblings are tried in index order)."""
+        return (self.depths[j], j) if self.sampled else (self.depths[j], -self.scores[j], j)
+
+    def _q_rows(self, kept: list[int]) -> torch.Tensor:
+        """``(n, V)``: the distribution each kept node was drawn from, its parent's q without
+        the siblings drawn before it, renormalised."""
+        rows = []
+        for j in kept:
+            par = self.parents[j]
+            q = self.q_of[par].clone()
+            sibs = self.children[par]
+            q[[self.draft_ids[s] for s in sibs[: sibs.index(j)]]] = 0.0
+            rows.append(q / q.sum())
+        q = torch.stack(rows)
+        return q if self.scatter_q is None else self.scatter_q(q)
