@@ -36,7 +36,7 @@ from eval import session
 from eval.checks import check_noise_tolerance, check_out_file, check_sampling, integer, number
 from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
-from eval.tree import TREE_DRAWS
+from eval.tree import check_tree_draw
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "eval"  # the evaluation configs
 CONF_FILE = CONF_DIR / "decode.yaml"
@@ -59,9 +59,7 @@ def _validate(cfg: DictConfig) -> None:
     """Every setting and ``out``, before any model is loaded (measure.py and bench.py reuse the
     sampling, prompt and draft checks)."""
     TreeMode.parse(cfg.tree)
-    if cfg.get("tree_draw", "sample") not in TREE_DRAWS:
-        raise ValueError(f"tree_draw={cfg.tree_draw!r}: allowed {', '.join(TREE_DRAWS)} (how a "
-                         "sampled decode's dynamic tree picks children)")
+    check_tree_draw(cfg.get("tree_draw", "sample"))
     if cfg.dtype not in (*DTYPES, "auto"):
         raise ValueError(f"dtype={cfg.dtype!r}: allowed {(*DTYPES, 'auto')}")
     if integer("max_new_tokens", cfg.max_new_tokens, "an integer >= 1") < 1:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from eval.tree import check_tree_draw
 from heads.family import FAMILIES, TreeKind
 from heads.quantize import FP32_ONLY
 from heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
@@ -161,7 +162,7 @@ class Measured:
                                  tree.get("speedup"))
         size = (spec.get("draft_vocab") or {}).get("size")
         source = "speculation.json"
-        if temperature is not None and len(records_of(speculation)) > 1:
+        if temperature is not None and (speculation or {}).get(BY_TEMPERATURE):
             source += f" (T = {measured_at:g})"
         return cls(k_star, (spec.get("measured_speedup") or {}).get("speedup"), shape,
                    int(size) if size else None), source
@@ -272,7 +273,8 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     return DraftSettings(k=k, k_source=k_source, tree=use_tree,
                          tree_size=int(tree_size if tree_size is not None else DEFAULT_TREE_SIZE),
                          tree_topk=int(cfg.get("tree_topk", 8)), medusa_branching=branching,
-                         draft_vocab=size, tree_draw=str(cfg.get("tree_draw", "sample")))
+                         draft_vocab=size,
+                         tree_draw=check_tree_draw(cfg.get("tree_draw", "sample")))
 
 
 # ----------------------------------------------------------------------------- load and build

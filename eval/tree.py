@@ -29,6 +29,14 @@ from eval.proposal import Proposal, Sampling
 TREE_DRAWS = ("topk", "sample")
 
 
+def check_tree_draw(value: object) -> str:
+    """``tree_draw`` as given, or a ValueError naming the allowed values."""
+    if value not in TREE_DRAWS:
+        raise ValueError(f"tree_draw={value!r}: allowed {', '.join(TREE_DRAWS)} (how a sampled "
+                         "decode's dynamic tree picks children)")
+    return str(value)
+
+
 class DynamicTree:
     """EAGLE-2 dynamic tree bookkeeping: nodes drafted so far, their scores, and the order in
     which they were fed to the drafter's cache.
@@ -51,8 +59,7 @@ class DynamicTree:
                  draw: str = "sample") -> None:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
-        if draw not in TREE_DRAWS:
-            raise ValueError(f"tree_draw={draw!r}: allowed {', '.join(TREE_DRAWS)}")
+        check_tree_draw(draw)
         self.topk = topk
         self.to_target = to_target
         self.sampling, self.generator = sampling, generator
