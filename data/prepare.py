@@ -15,7 +15,7 @@ from data.regenerate import regenerate_conversations
 from data.sharegpt import read_sharegpt
 
 DEFAULTS: dict[str, Any] = {
-    "path": None, "num_conversations": None, "max_length": 1024,
+    "path": None, "skip_conversations": 0, "num_conversations": None, "max_length": 1024,
     "split": {"val": 0.02, "test": 0.02},
     "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
                    "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None},
@@ -88,6 +88,12 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     c = resolve_data_config(cfg_data)
     all_layers = sorted({int(i) for i in list(c["cache"]["layers"]) + list(layers or [])})
     key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    skip = c["skip_conversations"]
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"data.skip_conversations={skip!r}: give a whole number >= 0 (how many "
+                         "valid conversations to pass over before reading data.num_conversations)")
+    if skip:  # caches made before the option keep their keys
+        key_src["skip_conversations"] = skip
     if c["features"] not in ("offline", "online"):
         raise ValueError(f"data.features={c['features']!r}: choose offline (hidden states cached "
                          "on disk once) or online (computed by the target in every step)")
@@ -118,7 +124,9 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     if target.tokenizer is None:
         raise ValueError("preparing data needs the target's tokenizer (chat template)")
 
-    convs, read_rep = read_sharegpt(c["path"], limit=c["num_conversations"])
+    n = c["num_conversations"]
+    convs, read_rep = read_sharegpt(c["path"], limit=None if n is None else skip + n)
+    convs = convs[skip:]
     parts = split_conversations(convs, c["split"]["val"], c["split"]["test"])
     report: dict[str, Any] = {"key": key, "config": key_src, "read": read_rep.to_dict(),
                               "split": {k: len(v) for k, v in parts.items()}}

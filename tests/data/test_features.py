@@ -265,6 +265,35 @@ def _long_rows(n: int, length: int, vocab: int = 96) -> list[dict]:
              "loss_mask": [True] * length} for _ in range(n)]
 
 
+def test_skip_conversations_reads_the_ones_after(tmp_path):
+    """skip=10, n=15 trains on exactly the conversations 10..24 that n=25 adds to n=10 (the split
+    is by id, so each keeps its split); ignoring the skip would re-read 0..14."""
+    from conftest import make_char_tokenizer
+    from omegaconf import OmegaConf
+
+    from data.prepare import prepare_data
+
+    tok = make_char_tokenizer()
+    target = make_tiny_target(vocab=len(tok))
+    target.tokenizer = tok
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
+    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    cfg.split = {"val": 0.2, "test": 0.2}
+
+    def train_seqs(skip, n):
+        cfg.skip_conversations, cfg.num_conversations = skip, n
+        train, _, rep = prepare_data(cfg, target, tmp_path / "out")
+        assert rep["read"]["kept"] == skip + n
+        return {tuple(x["input_ids"].tolist()) for x in FeatureDataset(train, target.identity)}
+
+    first, later, both = train_seqs(0, 10), train_seqs(10, 15), train_seqs(0, 25)
+    assert later and not first & later and first | later == both
+    for bad in (-1, 2.5, True):
+        cfg.skip_conversations = bad
+        with pytest.raises(ValueError, match="data.skip_conversations"):
+            prepare_data(cfg, target, tmp_path / "out")
+
+
 def test_the_storage_estimate_is_within_one_percent_of_the_cache_it_builds(tmp_path, tiny_target,
                                                                           caplog):
     import logging
