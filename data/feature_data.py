@@ -2,7 +2,9 @@
 datasets training draws from, and batch collation.
 
 :class:`FeatureDataset` reads sequences lazily from the shards; :class:`OnlineFeatures` reads the
-tokens of a tokens-only cache and runs the target on each batch instead (``data.features=online``).
+tokens of a tokens-only cache and runs the target on each batch instead (``data.features=online``);
+:class:`RecomputedFinal` reads a cache without the final hidden state and recomputes it per batch
+from the last cached layer (``data.features=recompute_final``).
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ class FeatureDataset(torch.utils.data.Dataset):
                 "loss_mask": f.get_slice("loss_mask")[a:b]}
         if self.manifest.get("online"):
             return item  # tokens only: OnlineFeatures adds the hidden states per batch
-        item["hidden"] = f.get_slice("hidden")[a:b]
+        if self.manifest.get("final_from") is None:  # else RecomputedFinal adds it per batch
+            item["hidden"] = f.get_slice("hidden")[a:b]
         if self.manifest["format_version"] >= 2:
             item["teacher_lse"] = f.get_slice("teacher_lse")[a:b]
         if self.layers:
@@ -189,19 +192,44 @@ class OnlineFeatures(torch.utils.data.Dataset):
         return collate_features(items)
 
 
+class RecomputedFinal(OnlineFeatures):
+    """A cache without the final hidden state (``data.features=recompute_final``): each batch's
+    final hidden states come from its cached layer ``final_from`` through the target's last
+    layers and final norm (:func:`~data.features.final_from_layer`), cast to the cache dtype as
+    a stored one would be; the rest is read from the cache."""
+
+    def __init__(self, cached: FeatureDataset, model: torch.nn.Module) -> None:
+        self.tokens, self.model = cached, model
+        self.layers, self.manifest, self.dir = cached.layers, cached.manifest, cached.dir
+        self.dtype = DTYPES[cached.manifest["dtype"]]
+        self.final_from = int(cached.manifest["final_from"])
+
+    @torch.no_grad()
+    def collate(self, batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Recompute the batch's final hidden states, then :func:`collate_features`."""
+        row = self.layers.index(self.final_from)
+        h = torch.nn.utils.rnn.pad_sequence([x["layers"][row] for x in batch], batch_first=True)
+        final = features.final_from_layer(self.model, h, self.final_from).to(self.dtype).cpu()
+        return collate_features([{**x, "hidden": final[b, :len(x["input_ids"])]}
+                                 for b, x in enumerate(batch)])
+
+
 def open_features(cache_dir: str | Path, model: torch.nn.Module | None = None,
                   rank: int | None = None, world: int | None = None
                   ) -> FeatureDataset | OnlineFeatures:
-    """The dataset of a cache: :class:`FeatureDataset`, or :class:`OnlineFeatures` over the
-    target ``model`` for a tokens-only (online) cache; with ``rank`` and ``world`` only that
-    rank's own shards."""
+    """The dataset of a cache: :class:`FeatureDataset`, or over the target ``model``
+    :class:`OnlineFeatures` for a tokens-only (online) cache and :class:`RecomputedFinal` for
+    one without the final hidden state; with ``rank`` and ``world`` only that rank's own
+    shards."""
     ds = FeatureDataset(cache_dir, rank=rank, world=world)
-    if not ds.manifest.get("online"):
+    kind = ("online" if ds.manifest.get("online") else
+            "recompute_final" if ds.manifest.get("final_from") is not None else None)
+    if kind is None:
         return ds
     if model is None:
-        raise FeatureCacheError(f"{cache_dir} stores tokens only (data.features=online): its "
-                                "hidden states need the target model")
-    return OnlineFeatures(ds, model)
+        raise FeatureCacheError(f"{cache_dir} was built with data.features={kind}: its hidden "
+                                "states need the target model")
+    return OnlineFeatures(ds, model) if kind == "online" else RecomputedFinal(ds, model)
 
 
 def collate_features(batch: Sequence[dict[str, torch.Tensor]], pad_id: int = 0

@@ -16,6 +16,10 @@ Layout of a cache directory:
     final-norm output there), so it is not stored twice: ``hidden`` serves it (an EAGLE-3 head
     fusing low, mid and final layers caches three H-wide rows per token, 3,465 bytes for
     SmolLM2-135M).
+    With ``final_from = L`` (``data.features=recompute_final``) ``hidden`` is not stored: the
+    final hidden state is recomputed per batch from the cached ``layer_L`` by the target's last
+    layers and final norm (:func:`final_from_layer`; an EAGLE-3 head fusing layers 2 / 15 / 27
+    caches 3,465 instead of 4,617 bytes per token), ``teacher_lse`` still from the true one.
     ``spec.json``: target identity and a fingerprint of the inputs (written first).
     ``manifest.json``: identity, layer ids, dtype, per-shard counts and sha256, bytes_per_token
     (written last: its presence means the cache is complete).
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.masking_utils import create_causal_mask
 
 from data.target import TargetIdentity, TargetMismatchError, sha256_file
 
@@ -68,9 +73,10 @@ def inputs_fingerprint(rows: Sequence[dict]) -> str:
 
 @torch.no_grad()
 def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
-             dtype: torch.dtype, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """Run the target on right-padded rows; returns per-row ``hidden (T,H)``, ``teacher_lse (T,)``
-    (from the hidden state as stored) and layers."""
+             dtype: torch.dtype, pad_id: int,
+             store_final: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Run the target on right-padded rows; returns per-row ``hidden (T,H)`` (left out when not
+    ``store_final``), ``teacher_lse (T,)`` (from the hidden state as stored) and layers."""
     device = next(model.parameters()).device
     lens = [len(r["input_ids"]) for r in rows]
     ids = torch.full((len(rows), max(lens)), pad_id, dtype=torch.long)
@@ -98,7 +104,28 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
                     f"'{k}' overflows {dtype}; use cache dtype 'bfloat16' instead")
             item[k] = cast.cpu()
         item["teacher_lse"] = teacher_log_normalizer(item["hidden"], lm_head).cpu()
+        if not store_final:
+            del item["hidden"]
     return res
+
+
+@torch.no_grad()
+def final_from_layer(model: torch.nn.Module, h: torch.Tensor, layer: int) -> torch.Tensor:
+    """The final-norm hidden state ``(B, T, H)`` from ``hidden_states[layer]`` ``h (B, T, H)`` of
+    right-padded rows: the target's decoder layers ``layer..num_layers-1`` (causal attention,
+    positions from 0), then its final norm, in the model's dtype. Padding sits after each row's
+    tokens, so causal attention keeps it out of their results."""
+    body = model.model
+    x = h.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
+    pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+    emb = body.rotary_emb(x, position_ids=pos)
+    mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None,
+                              cache=None, position_ids=pos)
+    for block in body.layers[layer:model.config.num_hidden_layers]:
+        x = block(x, attention_mask=mask, position_embeddings=emb, position_ids=pos,
+                  use_cache=False)
+        x = x[0] if isinstance(x, tuple) else x
+    return body.norm(x)
 
 
 @torch.no_grad()
@@ -114,12 +141,14 @@ def teacher_log_normalizer(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
 
 def _write_shard(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
                  dtype: torch.dtype, batch_size: int, pad_id: int, path: Path,
-                 on_batch: Callable[[int], Any] | None = None, online: bool = False) -> None:
+                 on_batch: Callable[[int], Any] | None = None, online: bool = False,
+                 store_final: bool = True) -> None:
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
     feats: list[dict[str, torch.Tensor]] = [{} for _ in rows]
     for s in range(0, 0 if online else len(order), batch_size):
         idx = order[s: s + batch_size]
-        for i, f in zip(idx, _forward(model, [rows[i] for i in idx], layers, dtype, pad_id)):
+        for i, f in zip(idx, _forward(model, [rows[i] for i in idx], layers, dtype, pad_id,
+                                      store_final)):
             feats[i] = f
         if on_batch is not None:
             on_batch(sum(len(rows[i]["input_ids"]) for i in idx))
@@ -143,7 +172,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                         shard_size: int = 256, progress: bool = True,
                         on_shard: Callable[[int], None] | None = None,
                         ranks: tuple[int, int, Callable[[], None]] | None = None,
-                        online: bool = False, local: bool = False) -> dict[str, Any]:
+                        online: bool = False, local: bool = False,
+                        final_from: int | None = None) -> dict[str, Any]:
     """Run the target once over tokenized rows and store its hidden states as shards.
 
     Args:
@@ -166,6 +196,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             keeps its spec, its own shards and the whole manifest (the ranks' shard records
             gathered over ``torch.distributed``) there, and nothing else; ranks then read only
             their own shards (``FeatureDataset(..., rank=, world=)``).
+        final_from: leave the final hidden state out; training recomputes it from this stored
+            layer (:func:`final_from_layer`; one of ``layers``, below ``num_layers``).
 
     Returns:
         The manifest dict (also written to ``manifest.json``). ``token_counts.safetensors``
@@ -184,6 +216,10 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     bad = [i for i in layers if not 0 <= i <= n_layers]
     if bad:
         raise ValueError(f"layer ids {bad} out of range 0..{n_layers} for this target")
+    if final_from is not None and (final_from not in layers or final_from >= n_layers):
+        raise ValueError(f"final_from={final_from}: the final hidden state is recomputed from a "
+                         f"stored layer below {n_layers}; the cache stores {layers}. Cache the "
+                         "final hidden state (data.features=offline) when a draft fuses it")
     rows = [r for r in rows]
     if not rows:
         raise ValueError("no sequences to cache")
@@ -193,6 +229,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             "inputs_sha256": inputs_fingerprint(rows), "sequences": len(rows)}
     if online:
         spec["online"] = True
+    if final_from is not None:
+        spec["final_from"] = final_from
     rank, world, barrier = ranks if ranks is not None else (0, 1, lambda: None)
     local = local and world > 1
     if local:  # every machine checks its own folder; all must find the cache complete to skip
@@ -220,7 +258,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                if k not in todo)
     hidden = target.identity.hidden_size
     elem = torch.finfo(DTYPES[dtype]).bits // 8
-    per_token = 5 if online else bytes_per_token(hidden, elem, layers, n_layers)
+    per_token = 5 if online else bytes_per_token(hidden, elem, layers, n_layers,
+                                                 final_from is None)
     if todo and (rank == 0 or local):
         check_space(out, sum(ntok) * per_token, (sum(ntok) - done) * per_token, sum(ntok),
                     per_token)
@@ -228,7 +267,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                unit="tok", unit_scale=True, disable=not progress)
     for k in mine:
         _write_shard(model, rows[k * shard_size:(k + 1) * shard_size], layers, DTYPES[dtype],
-                     batch_size, pad_id, out / shard_name(k), on_batch=bar.update, online=online)
+                     batch_size, pad_id, out / shard_name(k), on_batch=bar.update, online=online,
+                     store_final=final_from is None)
         if on_shard is not None:
             on_shard(k)
     bar.close()
@@ -257,6 +297,7 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
                 "tokens": int(sum(s["tokens"] for s in shards)), "shards": shards,
                 "bytes_per_token": per_token, "online": online,
                 "shard_owner": "shard k of rank k % world" if local else None,
+                **({"final_from": final_from} if final_from is not None else {}),
                 "world": world if local else None}
     _write_token_counts(rows, target.identity.vocab_size, out)
     manifest["token_counts_sha256"] = sha256_file(out / TOKEN_COUNTS)
@@ -319,12 +360,12 @@ def all_gather(obj: Any, world: int) -> list[Any]:
 
 
 def bytes_per_token(hidden_size: int, elem_bytes: int, layers: Sequence[int],
-                    num_layers: int) -> int:
-    """Cache bytes per token: the final hidden state, each extra layer other than the final one
-    (``num_layers``, served by the final hidden state), the float32 teacher log-normaliser, an
-    int32 id and a bool mask."""
+                    num_layers: int, final: bool = True) -> int:
+    """Cache bytes per token: the final hidden state (unless recomputed: ``final`` False), each
+    extra layer other than the final one (``num_layers``, served by the final hidden state), the
+    float32 teacher log-normaliser, an int32 id and a bool mask."""
     extra = sum(1 for i in set(layers) if i != num_layers)
-    return hidden_size * elem_bytes * (1 + extra) + 4 + 4 + 1
+    return hidden_size * elem_bytes * (int(final) + extra) + 4 + 4 + 1
 
 
 ONLINE_ADVICE_BYTES = 100 * 10**9  # caches above this size get the advice to go online

@@ -12,7 +12,7 @@ from typing import Any
 from data.chat import split_conversations, tokenize_conversations
 from data.features import FORMAT_VERSION, FeatureCacheError, all_gather, build_feature_cache
 from data.regenerate import regenerate_conversations
-from data.sharegpt import read_sharegpt
+from data.sharegpt import read_sharegpt, select_conversations
 
 DEFAULTS: dict[str, Any] = {
     "path": None, "skip_conversations": 0, "num_conversations": None, "max_length": 1024,
@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256,
               "local": False},
     "features": "offline",
+    "select": {"include": None, "exclude": None},
 }
 
 
@@ -94,11 +95,26 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
                          "valid conversations to pass over before reading data.num_conversations)")
     if skip:  # caches made before the option keep their keys
         key_src["skip_conversations"] = skip
-    if c["features"] not in ("offline", "online"):
+    select = c["select"]
+    if select != DEFAULTS["select"]:  # (likewise)
+        key_src["select"] = select
+        select_conversations([], **select)  # a bad pattern is refused before any work
+    if c["features"] not in ("offline", "online", "recompute_final"):
         raise ValueError(f"data.features={c['features']!r}: choose offline (hidden states cached "
-                         "on disk once) or online (computed by the target in every step)")
-    if c["features"] == "online":  # a tokens-only cache: offline caches keep their keys
-        key_src["features"] = "online"
+                         "on disk once), recompute_final (the final one recomputed per batch from "
+                         "the last cached layer) or online (computed by the target in every step)")
+    final_from = None
+    if c["features"] == "recompute_final":
+        n_layers = target.identity.num_layers
+        below = [i for i in all_layers if i < n_layers]
+        if n_layers in all_layers or not below:
+            raise ValueError(f"data.features=recompute_final recomputes the final hidden state "
+                             f"from a cached layer below {n_layers}, but the layers are "
+                             f"{all_layers}: use it with a draft fusing layers below the last "
+                             "(EAGLE-3's engine layout), else data.features=offline")
+        final_from = max(below)
+    if c["features"] != "offline":  # offline caches keep their keys
+        key_src["features"] = c["features"]
     if key_src["regenerate"].get("max_replies") is None:  # caches made before the option keep
         key_src["regenerate"] = {k: v for k, v in key_src["regenerate"].items()  # their keys
                                  if k != "max_replies"}
@@ -125,11 +141,15 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
         raise ValueError("preparing data needs the target's tokenizer (chat template)")
 
     n = c["num_conversations"]
-    convs, read_rep = read_sharegpt(c["path"], limit=None if n is None else skip + n)
-    convs = convs[skip:]
+    selecting = select != DEFAULTS["select"]  # a selection reads the whole file, then counts
+    convs, read_rep = read_sharegpt(c["path"], limit=None if n is None or selecting else skip + n)
+    report: dict[str, Any] = {"key": key, "config": key_src, "read": read_rep.to_dict()}
+    if selecting:
+        convs = select_conversations(convs, **select)
+        report["selected"] = len(convs)
+    convs = convs[skip:] if n is None else convs[skip:skip + n]
     parts = split_conversations(convs, c["split"]["val"], c["split"]["test"])
-    report: dict[str, Any] = {"key": key, "config": key_src, "read": read_rep.to_dict(),
-                              "split": {k: len(v) for k, v in parts.items()}}
+    report["split"] = {k: len(v) for k, v in parts.items()}
     regen = c["regenerate"]
     out: dict[str, Path] = {"train": train_dir, "val": val_dir}
     for split, cache_dir in out.items():
@@ -161,7 +181,8 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
                                   dtype=c["cache"]["dtype"], batch_size=c["cache"]["batch_size"],
                                   shard_size=c["cache"]["shard_size"], progress=rank == 0,
                                   ranks=(rank, world, barrier) if world > 1 else None,
-                                  online=c["features"] == "online", local=local)
+                                  online=c["features"] == "online", local=local,
+                                  final_from=final_from)
         report[split] = {"tokenize": tok_rep.to_dict(), "sequences": man["sequences"],
                          "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"]}
     if rank == 0 or local:

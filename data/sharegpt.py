@@ -262,3 +262,34 @@ def read_sharegpt(path: str | Path | None = None,
     report = ReadReport()
     convs = list(iter_sharegpt(path, report, limit))
     return convs, report
+
+
+def select_conversations(convs: list[Conversation], include: str | None = None,
+                         exclude: str | None = None) -> list[Conversation]:
+    """Conversations whose first message is the user's and matches a task type (``data.select``).
+
+    ``include`` is searched (case-insensitive) in the first 400 characters of that message, where
+    a request states its task; ``exclude`` in all of it (a match drops the conversation). Order is
+    kept, so ``skip_conversations`` / ``num_conversations`` then count selected conversations.
+    """
+    def compiled(name: str, pattern: str | None) -> re.Pattern[str] | None:
+        if pattern is None:
+            return None
+        try:
+            return re.compile(pattern, re.IGNORECASE)
+        except re.error as e:
+            raise ValueError(f"data.select.{name}={pattern!r} is not a regular expression ({e}); "
+                             "fix it or set it to null") from None
+
+    inc, exc = compiled("include", include), compiled("exclude", exclude)
+    out = []
+    for c in convs:
+        first = c.messages[0]
+        if first["role"] != "user":
+            continue
+        if inc is not None and not inc.search(first["content"][:400]):
+            continue
+        if exc is not None and exc.search(first["content"]):
+            continue
+        out.append(c)
+    return out

@@ -141,7 +141,7 @@ def bench_caching(cfg: DictConfig) -> list[dict]:
     """Cached tokens/s per (target dtype, batch size), and each cache's teacher total variation
     against the fp32 target's own distribution."""
     from data.chat import tokenize_conversations
-    from data.feature_data import FeatureDataset
+    from data.feature_data import open_features
     from data.features import build_feature_cache
     from data.sharegpt import read_sharegpt
     from data.target import load_target
@@ -164,15 +164,20 @@ def bench_caching(cfg: DictConfig) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
             note(f"caching: {ntok} tokens, target {s.dtype}, batch {s.batch_size}")
             t0 = time.perf_counter()
+            final_from = s.get("final_from")  # the final hidden state recomputed from a layer
             man = build_feature_cache(target, rows, tmp, batch_size=int(s.batch_size),
-                                      progress=False)
+                                      progress=False, layers=list(s.get("layers") or []),
+                                      final_from=final_from)
             secs = time.perf_counter() - t0
-            cache = FeatureDataset(tmp)
+            cache = open_features(tmp, target.model)
             tvs = []
             for i, p in enumerate(ref_p):
-                q = torch.softmax(cache[i]["hidden"].float() @ w.T, -1)
+                item = cache[i]  # a recomputed final hidden state comes with its batch
+                final = (cache.collate([item]) if final_from is not None else item)["hidden"]
+                q = torch.softmax(final.reshape(-1, w.shape[1]).float() @ w.T, -1)
                 tvs.append(float(0.5 * (p - q).abs().sum(-1).max()))
         out.append({"dtype": s.dtype, "batch_size": int(s.batch_size), "tokens": ntok,
+                    "layers": list(s.get("layers") or []), "final_from": final_from,
                     "seconds": secs, "tokens_per_s": ntok / secs,
                     "bytes_per_token": man["bytes_per_token"], "max_tv": max(tvs)})
     base = out[0]["tokens_per_s"] if out else None
@@ -212,10 +217,12 @@ def write_markdown(res: dict, path: Path) -> None:
         lines += ["", ("Feature caching (same conversations, temporary cache; max TV = the largest "
                   "total variation between a cached teacher and the fp32 target's own "
                   "distribution on the first sequences):"), "",
-                  "| target dtype | batch | tokens | tokens/s | vs first | bytes/token | max TV |",
-                  "|---|---|---|---|---|---|---|"]
+                  ("| target dtype | batch | layers | tokens | tokens/s | vs first | bytes/token "
+                   "| max TV |"), "|---|---|---|---|---|---|---|---|"]
         for r in res["caching"]:
-            lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['tokens']} | "
+            rows = (f"{r.get('layers') or '-'}" + (f", final from {r['final_from']}"
+                                                  if r.get("final_from") else ""))
+            lines.append(f"| {r['dtype']} | {r['batch_size']} | {rows} | {r['tokens']} | "
                          f"{r['tokens_per_s']:.0f} | {r['vs_first']:.2f}x | "
                          f"{r['bytes_per_token']} | {r['max_tv']:.2e} |")
     path.write_text("\n".join(lines) + "\n")

@@ -1,13 +1,15 @@
-"""Make an INT8 copy of a draft package (``heads/quantize.py``: weight-only int8 by default).
+"""Make an INT8 or INT4 copy of a draft package (``heads/quantize.py``: weight-only int8 by
+default).
 
     python scripts/quantize.py draft=releases/eagle3-smollm2-135m out=outputs/eagle3-int8
+    python scripts/quantize.py draft=PKG out=DIR scheme=int4
     python scripts/quantize.py draft=PKG out=DIR scheme=int8_dynamic
 
 Every Linear of the draft is quantized but an EAGLE head's ``fc`` (its input is the target's
 features, outlier channels included) and the LM head of a draft LM or of a full-vocabulary
 EAGLE head (a draft vocabulary cuts rows out of it); the copy records the scheme and the
-modules in ``draftsmith.json["quantization"]``, keeps the trained weights (the int8 ones are
-made from them at load, the same every time), drops ``speculation.json`` (its K* and costs were
+modules in ``draftsmith.json["quantization"]``, keeps the trained weights (the quantized ones
+are made from them at load, the same every time), drops ``speculation.json`` (its K* and costs were
 measured on the float draft: run ``eval/measure.py`` on the copy), and is signed anew with the
 local key. It loads like any package.
 """
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> None:
                  f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
     out = quantize_package(args["draft"], args["out"], args.get("scheme", "int8"))
     n = len(json.loads((out / PACKAGE_JSON).read_text())["quantization"]["modules"])
-    print(f"quantized copy written to {out} ({n} Linear modules int8)")
+    print(f"quantized copy written to {out} ({n} Linear modules {args.get('scheme', 'int8')})")
 
 
 if __name__ == "__main__":

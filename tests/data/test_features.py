@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,94 @@ def test_skip_conversations_reads_the_ones_after(tmp_path):
         cfg.skip_conversations = bad
         with pytest.raises(ValueError, match="data.skip_conversations"):
             prepare_data(cfg, target, tmp_path / "out")
+
+
+def test_select_keeps_a_task_type_and_counts_within_it(tmp_path):
+    """data.select keeps the conversations whose first user message matches include and not
+    exclude, and skip / num count within that subset: skip 2 / n 3 of the even-numbered
+    conversations reads exactly 4, 6, 8, 14, 16 (10 and 12 excluded); filtering after the count
+    (conversations 2-6, then the even ones) would give 2, 4, 6 and fail."""
+    from conftest import make_char_tokenizer
+    from omegaconf import OmegaConf
+
+    from data.prepare import prepare_data
+
+    tok = make_char_tokenizer()
+    target = make_tiny_target(vocab=len(tok))
+    target.tokenizer = tok
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
+    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    cfg.split = {"val": 0.5, "test": 0.0}
+    cfg.num_conversations = 40  # more than the file has: a selection reads all of it anyway
+    cfg.select.include = r"question (\d*[02468])\?"
+    cfg.select.exclude = r"question 1[02]\?"  # drops 10 and 12 of the even ones
+    _, _, rep = prepare_data(cfg, target, tmp_path / "out")
+    assert rep["read"]["kept"] == 30 and rep["selected"] == 13  # 15 even, less 10 and 12
+    cfg.skip_conversations, cfg.num_conversations = 2, 5
+    train, val, rep = prepare_data(cfg, target, tmp_path / "out")
+    seqs = [FeatureDataset(d, target.identity) for d in (train, val)]
+    texts = {tok.decode(x["input_ids"].tolist()) for ds in seqs for x in ds}
+    assert sum(rep["split"].values()) == 5
+    got = {int(q) for t in texts for q in re.findall(r"question (\d+)\?", t)}
+    assert got == {4, 6, 8, 14, 16}
+    cfg.select.include = "question ("  # a bad pattern is refused, naming the option
+    with pytest.raises(ValueError, match="data.select.include"):
+        prepare_data(cfg, target, tmp_path / "out")
+
+
+@pytest.mark.parametrize("start", [1, 2, 3])
+def test_the_final_hidden_state_is_recomputed_from_a_cached_layer(start):
+    """final_from_layer(hidden_states[L]) is the model's own final-norm output for every L, on
+    right-padded rows (padding after a row's tokens does not reach them); starting one layer
+    late (hidden_states[L] fed to layers L+1..) gives other numbers."""
+    from data.features import final_from_layer
+
+    model = make_tiny_target(layers=4).model.float()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    attn[1, 6:] = 0  # the second row is 6 tokens, right-padded
+    out = model.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+    got = final_from_layer(model, out.hidden_states[start], start)
+    want = out.last_hidden_state
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    assert torch.allclose(got[1, :6], want[1, :6], atol=1e-5)
+    late = final_from_layer(model, out.hidden_states[start], start + 1)  # the twin
+    assert not torch.allclose(late[0], want[0], atol=1e-3)
+
+
+def test_a_cache_without_the_final_hidden_state_recomputes_it_per_batch(tmp_path):
+    """build_feature_cache(final_from=L) stores no ``hidden`` (one H-wide row less per token) and
+    RecomputedFinal's batches carry the final hidden states and teacher the stored cache has
+    (within the cache dtype's rounding of layer L); a final_from that is not a stored layer
+    below the last is refused."""
+    from data.feature_data import RecomputedFinal, open_features
+
+    target = make_tiny_target(layers=3)
+    rows = _long_rows(5, 20)
+    full = build_feature_cache(target, rows, tmp_path / "full", layers=[1, 2], progress=False)
+    part = build_feature_cache(target, rows, tmp_path / "part", layers=[1, 2], progress=False,
+                               final_from=2)
+    assert full["bytes_per_token"] - part["bytes_per_token"] == 32 * 2
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "part" / part["shards"][0]["file"]), "pt") as f:
+        assert "hidden" not in set(f.keys()) and "layer_2" in set(f.keys())
+    a = open_features(tmp_path / "full")
+    b = open_features(tmp_path / "part", target.model)
+    assert isinstance(b, RecomputedFinal) and len(a) == len(b) == 5
+    with pytest.raises(FeatureCacheError, match="need the target model"):
+        open_features(tmp_path / "part")
+    ba, bb = collate_features([a[i] for i in range(5)]), b.collate([b[i] for i in range(5)])
+    assert set(ba) == set(bb) and torch.equal(ba["teacher_lse"], bb["teacher_lse"])
+    m = ba["loss_mask"]
+    assert torch.allclose(bb["hidden"][m].float(), ba["hidden"][m].float(), atol=2e-2, rtol=1e-2)
+    w = target.model.lm_head.weight
+    pa, pb = (teacher_logits(x["hidden"][m], w).softmax(-1) for x in (ba, bb))
+    assert float(0.5 * (pa - pb).abs().sum(-1).max()) < 1e-2  # the cache's teacher bound
+    for bad in (3, 0):  # the final layer itself; a layer not stored
+        with pytest.raises(ValueError, match="final_from"):
+            build_feature_cache(target, rows, tmp_path / f"bad{bad}", layers=[1, 2],
+                                progress=False, final_from=bad)
 
 
 def test_the_storage_estimate_is_within_one_percent_of_the_cache_it_builds(tmp_path, tiny_target,

@@ -49,7 +49,8 @@ def test_bench_train_runs_variants_and_caching_on_a_tiny_target(tmp_path):
         {"name": "old", "what": "reference", "env": {"DRAFTSMITH_MALLOC": "off"},
          "overrides": ["draft=eagle", "train.teacher_per_token=false", "loss.fused=false"]},
         {"name": "new", "what": "fast path", "overrides": ["draft=eagle"]}]
-    cfg.caching.settings = [{"dtype": "float32", "batch_size": 2}]
+    cfg.caching.settings = [{"dtype": "float32", "batch_size": 2},
+                            {"dtype": "float32", "batch_size": 2, "layers": [1], "final_from": 1}]
     res = bench_train.run(cfg)
     rows = {r["name"]: r for r in res["training"]}
     for r in rows.values():
@@ -60,7 +61,10 @@ def test_bench_train_runs_variants_and_caching_on_a_tiny_target(tmp_path):
     assert (rows["old"]["malloc"], rows["new"]["malloc"]) == ("off", "tuned")
     cache = res["caching"][0]
     assert cache["tokens"] > 0 and cache["max_tv"] < 1e-2 and cache["bytes_per_token"] == 137
+    recomputed = res["caching"][1]  # layer 1 stored, the final hidden state recomputed from it
+    assert recomputed["max_tv"] < 1e-2 and recomputed["bytes_per_token"] == 137
     on_disk = json.loads((tmp_path / "bt" / "results.json").read_text())
     assert on_disk["gemm_gflops"]["float32"] > 0
     md = (tmp_path / "bt" / "results.md").read_text()
-    assert "| old | reference | off |" in md and "| float32 | 2 |" in md
+    assert "| old | reference | off |" in md and "| float32 | 2 | - |" in md
+    assert "| float32 | 2 | [1], final from 1 |" in md

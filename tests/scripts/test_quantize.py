@@ -11,7 +11,7 @@ from conftest import draft_package
 from eval.decoder import SpeculativeDecoder
 from eval.draft import build_proposer, load_draft, settle
 from heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
-from heads.quantize import Int8Linear
+from heads.quantize import Int4Linear, Int8Linear
 from heads.signing import sign_folder
 from scripts.quantize import quantize_package
 from tests.scripts.test_release import _eagle3_package
@@ -31,7 +31,7 @@ def _proposer(path, target):
     return build_proposer(pkg, plan, target, int(target.model.config.vocab_size))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int8_dynamic"])
+@pytest.mark.parametrize("scheme", ["int8", "int8_dynamic", "int4"])
 def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path, scheme):
     src, target = _reduced_eagle(tmp_path)
     out = quantize_package(src, tmp_path / "int8", scheme)
@@ -39,7 +39,8 @@ def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path, sc
     assert info["scheme"] == scheme and "lm_head" in info["modules"]
     assert "fc" not in info["modules"] and "layer.mlp.down_proj" in info["modules"]
     pkg = load_package(out, target=target)  # signed anew, verified
-    qlinear = Int8Linear if scheme == "int8" else torch.ao.nn.quantized.dynamic.Linear
+    qlinear = {"int8": Int8Linear, "int4": Int4Linear}.get(
+        scheme, torch.ao.nn.quantized.dynamic.Linear)
     assert isinstance(pkg.module.layer.mlp.down_proj, qlinear)
     assert isinstance(pkg.module.lm_head, qlinear) and isinstance(pkg.module.fc, torch.nn.Linear)
     model = target.model.float().eval()
@@ -50,12 +51,12 @@ def test_int8_eagle_copy_is_lossless_and_drafts_like_the_float_head(tmp_path, sc
     i8 = SpeculativeDecoder(model, _proposer(out, target), k=3, adaptive=False,
                             fallback=False).generate(prompt, 24)
     assert i8.output_ids == f32.output_ids == plain.output_ids  # lossless whatever q says
-    # the int8 head's drafts: logits within int8 rounding of the float head's
+    # the quantized head's drafts: logits within rounding of the float head's
     fh, qh = load_package(src, target=target).module, pkg.module
     feats = torch.randn(1, 5, fh.fc.in_features - fh.hidden_size)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     a, b = fh.compute_logits(fh(feats, ids)), qh.compute_logits(qh(feats, ids))
-    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert (a - b).abs().max() < (0.1 if scheme == "int4" else 0.05) * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
 
 
@@ -71,6 +72,31 @@ def test_int8_weights_are_per_channel_and_run_in_bf16():
     assert float(rel.max()) < 0.05
     qb = q.to(torch.bfloat16)  # the int8 weights stay int8, the scales follow the dtype
     assert qb.weight_int8.dtype == torch.int8 and qb(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_int4_weights_are_per_group_and_the_kernel_multiplies_by_them():
+    """Each group of 32 inputs keeps its own scale and zero point: every weight within half a
+    step of its group's range (a scale per row, or a zero point off by the kernel's offset of
+    8 steps, fails it); the packed kernel's product equals the product by the dequantized
+    weights, in fp32 and bf16."""
+    lin = torch.nn.Linear(96, 48)
+    with torch.no_grad():
+        lin.weight[:, 40:50] *= 50  # one loud group per row: a per-row scale would flatten the rest
+    q = Int4Linear(lin)
+    w = lin.weight.detach().view(48, 3, 32)
+    step = (w.amax(-1) - w.amin(-1)) / 15
+    err = (q.weight.view(48, 3, 32) - w).abs().amax(-1)
+    assert bool((err <= step / 2 + 1e-5).all())
+    x = torch.randn(7, 96)
+    dense = torch.nn.functional.linear(x, q.weight, q.bias)
+    assert q.kernel == "int4pack", q.kernel  # torch's CPU int4 kernel exists on this machine
+    assert torch.allclose(q(x), dense, rtol=1e-4, atol=1e-4)
+    qb = q.to(torch.bfloat16)
+    assert qb.weight_int4.dtype == torch.uint8
+    got, ref = qb(x.bfloat16()).float(), dense
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
+    with pytest.raises(ValueError, match="divisible by the group size"):
+        Int4Linear(torch.nn.Linear(40, 8))
 
 
 def test_int8_draft_lm_keeps_its_lm_head_and_decodes_greedily_like_the_target(decode_setup,
