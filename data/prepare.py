@@ -96,7 +96,8 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     if skip:  # caches made before the option keep their keys
         key_src["skip_conversations"] = skip
     select = c["select"]
-    if select != DEFAULTS["select"]:  # (likewise)
+    selecting = select != DEFAULTS["select"]  # a selection reads the whole file, then counts
+    if selecting:  # (likewise)
         key_src["select"] = select
         select_conversations([], **select)  # a bad pattern is refused before any work
     if c["features"] not in ("offline", "online", "recompute_final"):
@@ -141,7 +142,6 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
         raise ValueError("preparing data needs the target's tokenizer (chat template)")
 
     n = c["num_conversations"]
-    selecting = select != DEFAULTS["select"]  # a selection reads the whole file, then counts
     convs, read_rep = read_sharegpt(c["path"], limit=None if n is None or selecting else skip + n)
     report: dict[str, Any] = {"key": key, "config": key_src, "read": read_rep.to_dict()}
     if selecting:
