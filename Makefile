@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --timeout 1200 $(ARGS)
+	$(BIN)/python -m pytest -q -x --timeout 1200 --durations=30 $(ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not real" $(ARGS)

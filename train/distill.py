@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.feature_data import open_features
 from data.features import teacher_logits
+from heads.manifest import write_json_atomic
 from train import checkpoint as ckpt
 from train.config import (
     MIXED_PRECISION,
@@ -337,9 +338,9 @@ class DistillRecipe:
         if self.step == 0:
             self.initial_validation = self.validate()
             self.steplog.log_validation(0, self.initial_validation, tag="init")
-        else:
+            self._write_json("validation_init.json", self.initial_validation)
+        else:  # a resumed run reads what its first launch wrote (never rewritten: ranks read it)
             self.initial_validation = self._read_json("validation_init.json")
-        self._write_json("validation_init.json", self.initial_validation)
         batches = self._batches()
         progress = self.steplog.progress(total=cfg.train.max_steps, initial=self.step)
         last_val = None
@@ -447,8 +448,8 @@ class DistillRecipe:
         self.accelerator.end_training()
 
     def _write_json(self, name: str, obj) -> None:
-        if self.accelerator.is_main_process:
-            (self.out_dir / name).write_text(json.dumps(obj, indent=2))
+        if self.accelerator.is_main_process:  # atomic: other ranks may be reading it
+            write_json_atomic(self.out_dir / name, obj)
 
     def _read_json(self, name: str):
         path = self.out_dir / name
@@ -474,7 +475,7 @@ def run(cfg: DictConfig) -> dict:
                "rank_batch_fingerprints": recipe.rank_fingerprints,
                "ranks": recipe.ranks}
     if recipe.accelerator.is_main_process:
-        (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json_atomic(Path(cfg.out_dir) / "summary.json", summary)
         log.info("alpha-hat per position: init %s -> trained %s",
                  [round(a, 3) for a in summary["alpha_hat_init"] or []],
                  [round(a, 3) for a in summary["alpha_hat"]])
