@@ -184,7 +184,8 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
                                   online=c["features"] == "online", local=local,
                                   final_from=final_from)
         report[split] = {"tokenize": tok_rep.to_dict(), "sequences": man["sequences"],
-                         "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"]}
+                         "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"],
+                         "layers": man["layers"]}
     if rank == 0 or local:
         tmp = report_path.with_name(f"report.json.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(report, indent=2))

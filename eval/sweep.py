@@ -56,6 +56,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import hydra
 from tqdm.auto import tqdm
 
+from heads.manifest import write_json_atomic
+
 log = logging.getLogger("draftsmith.sweep")
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf" / "eval"
@@ -207,12 +209,6 @@ def is_done(path: Path) -> bool:
         and isinstance(obj.get("samples"), list)
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 def _decoder_overrides(settings: Mapping[str, Any]) -> list[str]:
     """Hydra override strings for the decoder (non-null decode keys only)."""
     out = []
@@ -358,13 +354,13 @@ def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runn
                             f"{type(result).__name__} with keys "
                             f"{list(result)[:5] if isinstance(result, Mapping) else '-'}")
         meta["elapsed_s"] = time.perf_counter() - t0
-        _write_json_atomic(result_path, {"job": meta, "summary": dict(result["summary"]),
+        write_json_atomic(result_path, {"job": meta, "summary": dict(result["summary"]),
                                          "samples": list(result["samples"])})
         error_path.unlink(missing_ok=True)
         return "done"
     except Exception as exc:  # noqa: BLE001 - a failing job is recorded; the sweep goes on
         meta["elapsed_s"] = time.perf_counter() - t0
-        _write_json_atomic(error_path, {"job": meta, "error": {
+        write_json_atomic(error_path, {"job": meta, "error": {
             "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}})
         log.error("job %s failed: %s: %s", stem, type(exc).__name__,
                   (str(exc).splitlines() or [""])[0])

@@ -116,6 +116,10 @@ def run(cfg: DictConfig) -> dict:
     if min(sizes) < 1 or min(ks) < 1:
         raise ValueError(f"batch_sizes and ks must be >= 1, got {sizes}, {ks}")
     check_sampling(cfg.temperature)
+    good_rows = integer("mixed.good_rows", cfg.mixed.good_rows, "an integer >= 1")
+    if cfg.mixed.enabled and good_rows < 1:
+        raise ValueError(f"mixed.good_rows={good_rows}: the heterogeneous-row test needs at least "
+                         "one good row beside the hostile one (or mixed.enabled=false)")
     drafts = {f: str(repo_path(cfg[f])) for f in FAMILIES if cfg.get(f)}  # lm=, eagle=
     check_out_dir("out_dir", repo_path(cfg.out_dir), {"questions": questions, **{
         f: Path(p) for f, p in drafts.items()}}, ("results.json", "results.md"))
@@ -123,7 +127,13 @@ def run(cfg: DictConfig) -> dict:
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))
     loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
     model, tok = loaded.model.to(cfg.device).eval(), loaded.tokenizer
-    records = session.prompt_records(str(questions), tok, max(sizes))
+    # the mixed test decodes good_rows questions and one more (the hostile row's prompt)
+    need = max(*sizes, good_rows + 1 if cfg.mixed.enabled else 1)
+    records = session.prompt_records(str(questions), tok, need)
+    if len(records) < need:
+        raise ValueError(f"{questions} has {len(records)} questions but batch_sizes={sizes} and "
+                         f"mixed.good_rows={good_rows} need {need}: lower them or pass a longer "
+                         "questions= file")
     eos = session.eos_ids(model)
     max_new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
     chain = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),

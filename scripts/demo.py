@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """`make demo`: the main job on the embedded default, end to end, with every command shown.
 
-1. train   an EAGLE head for SmolLM2-135M-Instruct on a ShareGPT slice (experiment=quickstart;
-           converts the packaged GGUF target and builds the feature cache on first use);
+1. train   an EAGLE-3 head for SmolLM2-135M-Instruct on a ShareGPT slice whose first replies
+           the target rewrites (experiment=quickstart; converts the packaged GGUF target,
+           regenerates the replies and builds the feature cache on first use);
 2. measure accept rates and costs on this machine, choose K*, write speculation.json;
 3. decode  held-out ShareGPT prompts with the trained head against plain decoding (same run);
 4. sweep   K on a few prompts and write the report (table + plots);
-5. export  the head in the EAGLE layout serving engines load, and decode again from the export;
+5. export  the head in the EAGLE-3 layout serving engines load, and decode again from the export;
 6. decode  the same prompts with the released EAGLE-3 head (``releases/``, trained longer by
            ``experiment=eagle3_engine`` then ``experiment=eagle3_long``) against plain
            decoding, in the dtype measured fastest here.
@@ -49,7 +50,7 @@ def main(extra: list[str]) -> None:
     times = {}
     times["train"] = sh([str(BIN / "accelerate"), "launch", "--config_file",
                          "conf/accelerate/single.yaml", "train/distill.py", "experiment=quickstart",
-                         *extra], "1. train an EAGLE head (experiment=quickstart)")
+                         *extra], "1. train an EAGLE-3 head (experiment=quickstart)")
     times["measure"] = sh([sys.executable, "eval/measure.py", f"draft={DRAFT}", "prompts=sharegpt",
                            "limit=4", "max_new_tokens=48", "temperature=0",
                            "tree_sizes=[]", "medusa_branchings=[]"],  # chains: no tree-shape search
@@ -62,11 +63,11 @@ def main(extra: list[str]) -> None:
     times["sweep"] = sh([sys.executable, "eval/sweep.py", "-m", f"draft={DRAFT}", "k=1,2,3,4",
                          "prompts=sharegpt", "limit=4", "max_new_tokens=48", "temperature=0",
                          "name=quickstart"], "4. sweep K and write the report")
-    export_dir = OUT / "export-eagle"
+    export_dir = OUT / "export-eagle3"
     export_json = OUT / "decode-export.json"
-    times["export"] = sh([sys.executable, "scripts/export.py", f"draft={DRAFT}", "format=eagle",
+    times["export"] = sh([sys.executable, "scripts/export.py", f"draft={DRAFT}", "format=eagle3",
                           f"out={export_dir}", "overwrite=true"],
-                         "5a. export in the EAGLE layout (vLLM/SGLang)")
+                         "5a. export in the EAGLE-3 layout (vLLM/SGLang)")
     times["reload"] = sh([sys.executable, "eval/decode.py", f"draft={export_dir}", *PROMPTS,
                           *CHAIN, "baseline=false", f"out={export_json}"],
                          "5b. decode again from the export")
@@ -89,11 +90,13 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     fmt = lambda xs: "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"
     print("\n" + "=" * 72)
     print("draftsmith demo summary")
-    print("  target                 SmolLM2-135M-Instruct (fp32, CPU)")
+    print("  target                 SmolLM2-135M-Instruct (CPU; training in the dtype measured "
+          "fastest here, decoding stages 3-5 in fp32)")
     print(f"  data                   {data['read']['kept']} ShareGPT conversations read; "
           f"train {data['train']['tokens']} tokens, val {data['val']['tokens']} tokens")
+    layers = "/".join(str(i) for i in data["train"].get("layers") or []) or "final"
     print(f"  feature cache          {data['train']['bytes_per_token']:.0f} bytes per token "
-          "(fp16 final hidden state + ids + mask)")
+          f"(fp16 hidden states of layers {layers} + ids + mask)")
     print(f"  alpha-hat (validation) untrained {fmt(summary['alpha_hat_init'])} -> "
           f"trained {fmt(summary['alpha_hat'])}")
     print(f"  K* on this machine     {spec['k_star']} (expected speedup "
@@ -107,7 +110,7 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     print(f"  lossless check         outputs equal plain greedy: "
           f"{dec['summary'].get('matches_baseline', 'see decode.json')}")
     print(f"  export reload          {sum(same)}/{len(same)} prompts decode identically from "
-          "the EAGLE-layout export")
+          "the EAGLE-3-layout export")
     print(f"  report                 {sweep_dir / 'report.md'} (+ PNG plots beside it)")
     rel = json.loads(release_json.read_text())["summary"]
     print(f"  released head          {RELEASE.name} ({rel['dtype']}): tau {rel['tau']:.2f}, "

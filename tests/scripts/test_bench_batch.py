@@ -7,6 +7,7 @@ import json
 import shutil
 
 import matplotlib.image
+import pytest
 from conftest import draft_package
 from omegaconf import OmegaConf
 
@@ -19,9 +20,9 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     shutil.copytree(decode_setup["lm"], lm)
     eagle, _ = draft_package(decode_setup, "eagle")
     cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
-        "questions": str(decode_setup["questions"]), "batch_sizes": [1, 3], "ks": [1, 2],
+        "questions": str(decode_setup["questions"]), "batch_sizes": [1, 2], "ks": [1, 2],
         "max_new_tokens": 6, "repeats": 1, "lm": str(lm), "eagle": str(eagle),
-        "mixed": {"good_rows": 2, "k": 2}, "write": True,
+        "mixed": {"good_rows": 2, "k": 2}, "write": True,  # 3 prompts: one past the largest batch
         "target_path": str(decode_setup["target"]), "dtype": "float32",
         "out_dir": str(tmp_path / "out")})
     res = bench_batch.run(cfg)
@@ -43,12 +44,26 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     png = matplotlib.image.imread(tmp_path / "out" / "throughput.png")
     assert png.shape[0] > 200 and png.shape[1] > 500
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| 3 |" in md and "K* per batch size" in md and "Heterogeneous rows" in md
+    assert "| 2 |" in md and "K* per batch size" in md and "Heterogeneous rows" in md
     # write=true: the record is in the package (re-signed) and decode.py takes K from it
     spec = json.loads((lm / "speculation.json").read_text())
     assert spec["batch"]["k_star"] == res["batch"]["lm"]["k_star"]
     got = decode.run_overrides([f"draft={lm}", f"target_path={decode_setup['target']}",
                                 f"prompts={decode_setup['questions']}", "max_new_tokens=4",
-                                "batch_size=3", "baseline=false"])["summary"]
-    k3 = res["batch"]["lm"]["k_star"]["3"]
-    assert (got["k"], got["k_source"]) == (k3, "speculation.json (batch 3)")
+                                "batch_size=2", "baseline=false"])["summary"]
+    k2 = res["batch"]["lm"]["k_star"]["2"]
+    assert (got["k"], got["k_source"]) == (k2, "speculation.json (batch 2)")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mixed": {"good_rows": 3}}, "need 4"),  # 3 good rows + the hostile row > 3 questions
+    ({"batch_sizes": [1, 4]}, "need 4"),
+    ({"mixed": {"good_rows": 0}}, "at least one good row"),
+])
+def test_bench_batch_refuses_more_rows_than_questions(decode_setup, tmp_path, change, message):
+    cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
+        "questions": str(decode_setup["questions"]), "batch_sizes": [1, 2], "eagle": None,
+        "target_path": str(decode_setup["target"]), "dtype": "float32",
+        "out_dir": str(tmp_path / "out")}, change)
+    with pytest.raises(ValueError, match=message):
+        bench_batch.run(cfg)
