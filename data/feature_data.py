@@ -159,9 +159,13 @@ class OnlineFeatures(torch.utils.data.Dataset):
         if not tokens.manifest.get("online"):
             raise FeatureCacheError(f"{tokens.dir} is an offline feature cache; open it with "
                                     "FeatureDataset (or rebuild with data.features=online)")
-        self.tokens, self.model = tokens, model
-        self.layers, self.manifest, self.dir = tokens.layers, tokens.manifest, tokens.dir
-        self.dtype = DTYPES[tokens.manifest["dtype"]]
+        self._over(tokens, model)
+
+    def _over(self, cached: FeatureDataset, model: torch.nn.Module) -> None:
+        """Read items from ``cached``; compute what it lacks with ``model``."""
+        self.tokens, self.model = cached, model
+        self.layers, self.manifest, self.dir = cached.layers, cached.manifest, cached.dir
+        self.dtype = DTYPES[cached.manifest["dtype"]]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -199,9 +203,7 @@ class RecomputedFinal(OnlineFeatures):
     a stored one would be; the rest is read from the cache."""
 
     def __init__(self, cached: FeatureDataset, model: torch.nn.Module) -> None:
-        self.tokens, self.model = cached, model
-        self.layers, self.manifest, self.dir = cached.layers, cached.manifest, cached.dir
-        self.dtype = DTYPES[cached.manifest["dtype"]]
+        self._over(cached, model)
         self.final_from = int(cached.manifest["final_from"])
 
     @torch.no_grad()

@@ -11,7 +11,7 @@ from typing import Any
 
 from data.chat import split_conversations, tokenize_conversations
 from data.features import FORMAT_VERSION, FeatureCacheError, all_gather, build_feature_cache
-from data.regenerate import regenerate_conversations
+from data.regenerate import regenerate_splits
 from data.sharegpt import read_sharegpt, select_conversations
 
 DEFAULTS: dict[str, Any] = {
@@ -152,27 +152,28 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     report["split"] = {k: len(v) for k, v in parts.items()}
     regen = c["regenerate"]
     out: dict[str, Path] = {"train": train_dir, "val": val_dir}
-    for split, cache_dir in out.items():
-        part = parts[split]
-        if not part:
+    for split in out:
+        if not parts[split]:
             raise ValueError(f"the {split} split is empty; use more data (data.num_conversations) "
                              f"or a larger data.split.{split}")
-        if regen["enabled"]:
-            def regenerated(convs, path=root / f"regenerated-{split}.jsonl"):
-                return regenerate_conversations(
-                    convs, target, path,
-                    temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
-                    batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
-                    max_replies=regen["max_replies"], progress=rank == 0)
+    if regen["enabled"]:  # every split in one run: they share batches (see regenerate_splits)
+        def regenerated() -> dict[str, list]:
+            return regenerate_splits(
+                {split: (parts[split], root / f"regenerated-{split}.jsonl") for split in out},
+                target, temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
+                batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
+                max_replies=regen["max_replies"], progress=rank == 0)
 
-            if rank == 0:  # rank 0 generates; the others then read its finished file
-                part = regenerated(part)
-            if world > 1:
-                barrier()
-            if local:  # ... which is on rank 0's disk only: rank 0 sends the conversations
-                part = all_gather(part if rank == 0 else None, world)[0]
-            elif rank != 0:
-                part = regenerated(part)
+        if rank == 0:  # rank 0 generates; the others then read its finished files
+            parts.update(regenerated())
+        if world > 1:
+            barrier()
+        if local:  # ... which are on rank 0's disk only: rank 0 sends the conversations
+            parts.update(all_gather({s: parts[s] for s in out} if rank == 0 else None, world)[0])
+        elif rank != 0:
+            parts.update(regenerated())
+    for split, cache_dir in out.items():
+        part = parts[split]
         ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
         if len(ds) == 0:
             raise ValueError(f"no {split} conversation has assistant tokens after tokenization")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,24 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
     Returns:
         The regenerated conversations, in input order.
     """
+    return regenerate_splits({"": (conversations, out_path)}, target, temperature=temperature,
+                             max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             max_prompt_tokens=max_prompt_tokens, max_replies=max_replies,
+                             seed=seed, progress=progress, on_batch=on_batch)[""]
+
+
+def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | Path]],
+                      target: Any, temperature: float = 0.0, max_new_tokens: int = 256,
+                      batch_size: int = 8, max_prompt_tokens: int = 1024,
+                      max_replies: int | None = None, seed: int = 0, progress: bool = True,
+                      on_batch: Callable[[int], None] | None = None
+                      ) -> dict[str, list[Conversation]]:
+    """:func:`regenerate_conversations` for several splits at once, each with its own jsonl
+    file: ``splits`` maps a split name to ``(conversations, out_path)``. The splits'
+    conversations share length-bucketed batches, so a small split (a validation set of a few
+    dozen) does not pay a whole batch of ``max_new_tokens`` steps for a few rows; each finished
+    conversation is appended to its own split's file. ``on_batch`` gets the number finished in
+    all splits. Returns each split's regenerated conversations, in input order."""
     if temperature < 0 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError("need temperature >= 0, max_new_tokens >= 1 and batch_size >= 1; got "
                          f"{temperature}, {max_new_tokens}, {batch_size}")
@@ -154,36 +173,47 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
         raise ValueError(f"max_replies must be >= 1 or null (all turns); got {max_replies}")
     if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
         raise ValueError("regeneration needs the target's tokenizer with a chat template")
-    ids = [c.id for c in conversations]
+    ids = [c.id for convs, _ in splits.values() for c in convs]
     if len(set(ids)) != len(ids):
-        raise ValueError("conversation ids must be unique for resumable regeneration")
-    path = Path(out_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = _load_done(path)
+        raise ValueError("conversation ids must be unique (across splits) for resumable "
+                         "regeneration")
+    paths = {name: Path(path) for name, (_, path) in splits.items()}
+    if len(set(paths.values())) != len(paths):
+        raise ValueError(f"each split needs its own output file, got {paths}")
+    done: dict[str, dict[str, Conversation]] = {}
+    for name, path in paths.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        done[name] = _load_done(path)
     # length buckets: conversations whose first prompts have similar token lengths share a
     # batch (every row is padded to the batch's longest prompt, so one long prompt in a batch
     # of short ones multiplies its cost); the order depends on the inputs only, so a resumed run
     # forms the same remaining batches
-    todo = [c for c in conversations if c.id not in done]
-    lengths = {c.id: _first_prompt_tokens(c.messages, target.tokenizer) for c in todo}
-    todo.sort(key=lambda c: (lengths[c.id], c.id))
+    todo = [(name, c) for name, (convs, _) in splits.items() for c in convs
+            if c.id not in done[name]]
+    lengths = {c.id: _first_prompt_tokens(c.messages, target.tokenizer) for _, c in todo}
+    todo.sort(key=lambda item: (lengths[item[1].id], item[1].id))
     model = target.model.eval()
-    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo),
-               desc="regenerate", unit="conv", disable=not progress)
-    with open(path, "a", encoding="utf-8") as f:
+    bar = tqdm(total=len(ids), initial=len(ids) - len(todo), desc="regenerate", unit="conv",
+               disable=not progress)
+    with ExitStack() as stack:
+        files = {name: stack.enter_context(open(path, "a", encoding="utf-8"))
+                 for name, path in paths.items()}
         for s in range(0, len(todo), batch_size):
             batch = todo[s: s + batch_size]
-            digest = hashlib.sha256(f"{seed}:{batch[0].id}".encode()).digest()
+            digest = hashlib.sha256(f"{seed}:{batch[0][1].id}".encode()).digest()
             torch.manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
-            for c in _regenerate_batch(model, target.tokenizer, batch, temperature,
-                                       max_new_tokens, max_prompt_tokens, max_replies):
-                f.write(json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False)
-                        + "\n")
-                done[c.id] = c
-            f.flush()
-            os.fsync(f.fileno())
+            convs = [c for _, c in batch]
+            for (name, _), c in zip(batch, _regenerate_batch(
+                    model, target.tokenizer, convs, temperature, max_new_tokens,
+                    max_prompt_tokens, max_replies)):
+                files[name].write(json.dumps({"id": c.id, "messages": c.messages},
+                                             ensure_ascii=False) + "\n")
+                done[name][c.id] = c
+            for name in {name for name, _ in batch}:
+                files[name].flush()
+                os.fsync(files[name].fileno())
             bar.update(len(batch))
             if on_batch is not None:
-                on_batch(len(done))
+                on_batch(sum(len(d) for d in done.values()))
     bar.close()
-    return [done[i] for i in ids]
+    return {name: [done[name][c.id] for c in convs] for name, (convs, _) in splits.items()}

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import string
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
 MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
 
 
@@ -165,3 +169,40 @@ def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
         cfg = EagleConfig()
         module, fmt = randomize(build_eagle(cfg, model), seed=3), "eagle"
     return save_package(setup["root"] / kind, kind, module, cfg, ident), fmt
+
+
+# ----- the engines' environments, made while the other tests run ------------------------------
+_prefetch: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When a selected test is marked ``engines(name, ...)``, start making those engines'
+    environments in a background process (``scripts.engines.ensure_env``; on a fresh clone about
+    ten minutes of pip, mostly one core's work) so that it overlaps the tests before the engine
+    check instead of adding to the suite; the check waits on ensure_env's lock. Its log is
+    ``<engines_dir>/prefetch.log``; ``DRAFTSMITH_PREFETCH_ENGINES=0`` turns it off."""
+    global _prefetch
+    names = sorted({n for item in session.items for m in item.iter_markers("engines")
+                    for n in m.args})
+    if not names or os.environ.get("DRAFTSMITH_PREFETCH_ENGINES", "1") == "0":
+        return
+    from omegaconf import OmegaConf
+
+    root = REPO / str(OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml").engines_dir)
+    if all((root / n / ".draftsmith-ready").is_file() for n in names):
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    code = ("import os, sys; from pathlib import Path; from scripts.engines import ensure_env; "
+            "os.nice(5); [ensure_env(n, Path(sys.argv[1])) for n in sys.argv[2:]]")
+    with open(root / "prefetch.log", "w") as log:  # the child keeps its own descriptor
+        _prefetch = subprocess.Popen([sys.executable, "-c", code, str(root), *names], cwd=REPO,
+                                     stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop an unfinished environment build (a run that ended early): the environment has no
+    ready stamp, so the next ensure_env makes it again from scratch."""
+    if _prefetch is not None and _prefetch.poll() is None:
+        os.killpg(_prefetch.pid, signal.SIGTERM)
+        _prefetch.wait(timeout=60)

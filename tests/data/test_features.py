@@ -217,6 +217,19 @@ def test_manifest_is_json_with_per_shard_sha(tmp_path, tiny_target):
     assert m["dtype"] == "float16" and m["sequences"] == 3
 
 
+def _chat_target_and_data(tmp_path):
+    """A tiny target with a chat tokenizer and the data config over a small ShareGPT file."""
+    from conftest import make_char_tokenizer
+    from omegaconf import OmegaConf
+
+    tok = make_char_tokenizer()
+    target = make_tiny_target(vocab=len(tok))
+    target.tokenizer = tok
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
+    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    return target, cfg
+
+
 def _sharegpt_file(path, n=30):
     recs = [{"id": f"p{i}_0", "conversations": [
         {"from": "human", "value": f"question {i}?"},
@@ -226,16 +239,9 @@ def _sharegpt_file(path, n=30):
 
 
 def test_prepare_data_builds_then_reuses_caches(tmp_path):
-    from conftest import make_char_tokenizer
-    from omegaconf import OmegaConf
-
     from data.prepare import prepare_data
 
-    tok = make_char_tokenizer()
-    target = make_tiny_target(vocab=len(tok))
-    target.tokenizer = tok
-    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
-    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    target, cfg = _chat_target_and_data(tmp_path)
     cfg.num_conversations = 25
     cfg.split = {"val": 0.2, "test": 0.2}
     cfg.cache.shard_size = 4
@@ -260,6 +266,38 @@ def test_prepare_data_builds_then_reuses_caches(tmp_path):
 
 
 
+def test_prepare_data_regenerates_every_split_in_shared_batches(tmp_path, monkeypatch):
+    """data.regenerate: train and val replies come from one regeneration run (a small val split
+    does not pay a generation of its own), each split's replies in its own file, and the caches
+    hold the regenerated conversations."""
+    from data import regenerate
+    from data.chat import tokenize_conversations
+    from data.prepare import prepare_data
+    from data.sharegpt import Conversation
+
+    target, cfg = _chat_target_and_data(tmp_path)
+    cfg.num_conversations = 12
+    cfg.split = {"val": 0.25, "test": 0.1}
+    # sampled: the tiny model's greedy replies are blank lines, which leave no assistant tokens
+    cfg.regenerate = {"enabled": True, "temperature": 1.0, "max_new_tokens": 6, "batch_size": 64,
+                      "max_replies": 1}
+    batches = []
+    real = regenerate._regenerate_batch
+    monkeypatch.setattr(regenerate, "_regenerate_batch",
+                        lambda model, tk, convs, *a: batches.append(len(convs)) or
+                        real(model, tk, convs, *a))
+    train, val, rep = prepare_data(cfg, target, tmp_path / "out")
+    assert batches == [rep["split"]["train"] + rep["split"]["val"]]  # one batch, both splits
+    root = train.parent
+    for split, cache in (("train", train), ("val", val)):
+        lines = (root / f"regenerated-{split}.jsonl").read_text().splitlines()
+        convs = [Conversation(**json.loads(x)) for x in lines]
+        assert len(convs) == rep["split"][split]
+        ds, _ = tokenize_conversations(convs, target.tokenizer, cfg.max_length)
+        cached = {tuple(x["input_ids"].tolist()) for x in FeatureDataset(cache, target.identity)}
+        assert cached == {tuple(r["input_ids"]) for r in ds}
+
+
 def _long_rows(n: int, length: int, vocab: int = 96) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     return [{"input_ids": torch.randint(3, vocab, (length,), generator=g).tolist(),
@@ -269,16 +307,9 @@ def _long_rows(n: int, length: int, vocab: int = 96) -> list[dict]:
 def test_skip_conversations_reads_the_ones_after(tmp_path):
     """skip=10, n=15 trains on exactly the conversations 10..24 that n=25 adds to n=10 (the split
     is by id, so each keeps its split); ignoring the skip would re-read 0..14."""
-    from conftest import make_char_tokenizer
-    from omegaconf import OmegaConf
-
     from data.prepare import prepare_data
 
-    tok = make_char_tokenizer()
-    target = make_tiny_target(vocab=len(tok))
-    target.tokenizer = tok
-    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
-    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    target, cfg = _chat_target_and_data(tmp_path)
     cfg.split = {"val": 0.2, "test": 0.2}
 
     def train_seqs(skip, n):
@@ -300,16 +331,9 @@ def test_select_keeps_a_task_type_and_counts_within_it(tmp_path):
     exclude, and skip / num count within that subset: skip 2 / n 3 of the even-numbered
     conversations reads exactly 4, 6, 8, 14, 16 (10 and 12 excluded); filtering after the count
     (conversations 2-6, then the even ones) would give 2, 4, 6 and fail."""
-    from conftest import make_char_tokenizer
-    from omegaconf import OmegaConf
-
     from data.prepare import prepare_data
 
-    tok = make_char_tokenizer()
-    target = make_tiny_target(vocab=len(tok))
-    target.tokenizer = tok
-    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / "sharegpt.yaml")
-    cfg.path = str(_sharegpt_file(tmp_path / "sg.json"))
+    target, cfg = _chat_target_and_data(tmp_path)
     cfg.split = {"val": 0.5, "test": 0.0}
     cfg.num_conversations = 40  # more than the file has: a selection reads all of it anyway
     cfg.select.include = r"question (\d*[02468])\?"
@@ -319,7 +343,7 @@ def test_select_keeps_a_task_type_and_counts_within_it(tmp_path):
     cfg.skip_conversations, cfg.num_conversations = 2, 5
     train, val, rep = prepare_data(cfg, target, tmp_path / "out")
     seqs = [FeatureDataset(d, target.identity) for d in (train, val)]
-    texts = {tok.decode(x["input_ids"].tolist()) for ds in seqs for x in ds}
+    texts = {target.tokenizer.decode(x["input_ids"].tolist()) for ds in seqs for x in ds}
     assert sum(rep["split"].values()) == 5
     got = {int(q) for t in texts for q in re.findall(r"question (\d+)\?", t)}
     assert got == {4, 6, 8, 14, 16}

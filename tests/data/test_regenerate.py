@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_char_tokenizer, make_tiny_target
 
-from data.regenerate import regenerate_conversations
+from data.regenerate import regenerate_conversations, regenerate_splits
 from data.sharegpt import Conversation
 
 
@@ -158,3 +158,44 @@ def test_a_padded_batch_gives_each_conversation_its_own_greedy_reply(tmp_path, t
                                         pad_token_id=0, eos_token_id=tok.eos_token_id)
         assert g.messages[1]["content"] == tok.decode(ref[0, ids.shape[1]:],
                                                       skip_special_tokens=True).strip()
+
+
+def test_splits_share_batches_and_keep_their_own_files(tmp_path, target):
+    """A small split rides in the big split's batches (one generation, not one per split), each
+    conversation lands in its own split's file, the replies are those of regenerating each split
+    alone, and a killed run resumes across the splits without loss or duplicates."""
+    data = convs(5)
+    splits = {"train": (data[:4], tmp_path / "train.jsonl"),
+              "val": (data[4:], tmp_path / "val.jsonl")}
+    batches = []
+    got = regenerate_splits(splits, target, max_new_tokens=4, batch_size=5, progress=False,
+                            on_batch=batches.append)
+    assert batches == [5]  # one batch for both splits
+    for name, (part, path) in splits.items():
+        assert [c.id for c in got[name]] == [c.id for c in part]
+        assert sorted(json.loads(x)["id"] for x in path.read_text().splitlines()) == \
+            sorted(c.id for c in part)
+        alone = regenerate_conversations(part, target, tmp_path / f"{name}-alone.jsonl",
+                                         max_new_tokens=4, batch_size=5, progress=False)
+        assert [c.messages for c in got[name]] == [c.messages for c in alone]
+
+    def kill(n_done):
+        if n_done >= 2:
+            raise Boom
+
+    resumed = {name: (part, tmp_path / f"r-{name}.jsonl") for name, (part, _) in splits.items()}
+    with pytest.raises(Boom):
+        regenerate_splits(resumed, target, max_new_tokens=4, batch_size=2, progress=False,
+                          on_batch=kill)
+    again = regenerate_splits(resumed, target, max_new_tokens=4, batch_size=2, progress=False)
+    assert {n: [c.messages for c in v] for n, v in again.items()} == \
+        {n: [c.messages for c in v] for n, v in got.items()}
+    for name, (part, path) in resumed.items():
+        assert sorted(json.loads(x)["id"] for x in path.read_text().splitlines()) == \
+            sorted(c.id for c in part)
+    with pytest.raises(ValueError, match="unique"):
+        regenerate_splits({"a": (data[:2], tmp_path / "a.jsonl"),
+                           "b": (data[1:3], tmp_path / "b.jsonl")}, target, progress=False)
+    with pytest.raises(ValueError, match="own output file"):
+        regenerate_splits({"a": (data[:2], tmp_path / "a.jsonl"),
+                           "b": (data[2:3], tmp_path / "a.jsonl")}, target, progress=False)

@@ -32,6 +32,57 @@ def test_a_missing_environment_is_a_row_with_the_error(tmp_path, monkeypatch):
         engines.ensure_env("vllm", tmp_path)
 
 
+class FakeBuild:
+    """subprocess.run for ensure_env without pip: ``venv`` makes ``bin/python``, installs are
+    recorded (slowly, so that concurrent callers overlap), everything succeeds."""
+
+    def __init__(self):
+        self.installs: list[str] = []
+
+    def __call__(self, cmd, **kw):
+        import time
+
+        if list(cmd[1:3]) == ["-m", "venv"]:
+            (Path(cmd[3]) / "bin").mkdir(parents=True)
+            (Path(cmd[3]) / "bin" / "python").write_text("")
+        elif "install" in cmd:
+            self.installs.append(cmd[0])
+            time.sleep(0.3)
+
+        class Done:
+            returncode, stderr, stdout = 0, "", ""
+        return Done()
+
+
+def test_concurrent_callers_make_an_environment_once(tmp_path, monkeypatch):
+    import threading
+
+    fake = FakeBuild()
+    monkeypatch.setattr(engines.subprocess, "run", fake)
+    got = []
+    callers = [threading.Thread(target=lambda: got.append(engines.ensure_env("vllm", tmp_path)))
+               for _ in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(fake.installs) == 1  # the others waited on the lock, then found the stamp
+    assert got == [tmp_path / "vllm" / "bin" / "python"] * 3
+    assert (tmp_path / "vllm" / ".draftsmith-ready").is_file()
+
+
+def test_an_environment_whose_build_was_killed_is_made_again_from_scratch(tmp_path, monkeypatch):
+    half = tmp_path / "vllm" / "lib" / "python3.11" / "site-packages" / "vllm"
+    half.mkdir(parents=True)
+    (half / "__init__.py").write_text("")  # a package pip was writing when the build stopped
+    fake = FakeBuild()
+    monkeypatch.setattr(engines.subprocess, "run", fake)
+    engines.ensure_env("vllm", tmp_path)
+    assert not half.exists() and len(fake.installs) == 1
+    engines.ensure_env("vllm", tmp_path)  # stamped now: nothing is installed again
+    assert len(fake.installs) == 1
+
+
 def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
     rows = [{"draft": "runs/eagle", "format": "eagle", "engine": "vllm", "version": "0.32.0",
              "loads": True, "greedy_identical_to_engine_plain": True,

@@ -2,7 +2,8 @@
 (``format=eagle3`` and speculators' ``eagle3`` type) and loaded by speculators itself.
 
 The engines' environments are made on first use under ``.engines/`` (minutes; later runs reuse
-them). A missing engine is a failure, not a skip: the row carries the install error.
+them), in the background from the start of the test run (``tests/conftest.py``). A missing
+engine is a failure, not a skip: the row carries the install error.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ RELEASE = REPO / "releases" / "eagle3-smollm2-135m"
 
 @pytest.mark.real
 @pytest.mark.slow
+@pytest.mark.engines("vllm", "speculators")
 def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path):
     cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
     cfg = OmegaConf.merge(cfg, {"drafts": [str(RELEASE)], "formats": ["eagle3", "speculators"],
