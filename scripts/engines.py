@@ -54,6 +54,9 @@ FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
                  "speculators": ("vllm", None), "gguf": ("llama_cpp", None)}
 
 
+READY = ".draftsmith-ready"  # written into an environment once it is made and checked
+
+
 class EngineUnavailable(RuntimeError):
     """The engine's environment could not be made or does not import."""
 
@@ -75,7 +78,7 @@ def ensure_env(engine: str, root: Path) -> Path:
     106 s + 10 s byte-compiling everything at install."""
     env = root / engine
     python = env / "bin" / "python"
-    stamp = env / ".draftsmith-ready"
+    stamp = env / READY
     if stamp.is_file():
         return python
     root.mkdir(parents=True, exist_ok=True)
@@ -107,7 +110,7 @@ def _make_env(engine: str, env: Path) -> None:
                           env=engine_env(engine, env), check=False)
     if done.returncode:
         raise EngineUnavailable(f"{spec['check']} fails in {env}: {done.stderr[-2000:]}")
-    (env / ".draftsmith-ready").write_text(" ".join(spec["install"]) + "\n")
+    (env / READY).write_text(" ".join(spec["install"]) + "\n")
 
 
 def engine_env(engine: str, env: Path) -> dict[str, str]:

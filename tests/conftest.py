@@ -188,8 +188,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     from omegaconf import OmegaConf
 
+    from scripts.engines import READY
+
     root = REPO / str(OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml").engines_dir)
-    if all((root / n / ".draftsmith-ready").is_file() for n in names):
+    if all((root / n / READY).is_file() for n in names):
         return
     root.mkdir(parents=True, exist_ok=True)
     code = ("import os, sys; from pathlib import Path; from scripts.engines import ensure_env; "
