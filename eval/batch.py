@@ -6,12 +6,10 @@ row with the same lossless rule as batch size one (:func:`eval.verify.verify_cha
 accepted length per row), and commits each row under its own stop rules; rows that finish
 leave the batch. ``K = 0`` is plain batched decoding through the same loop.
 
-Rows accept different numbers of tokens, so their caches grow apart. Every model keeps one KV
-cache for the whole batch in which each row owns a set of *valid slots* (:class:`SlotCache`):
-a fed block appends slots to every row, rejected drafts and padding are marked invalid in their
-row only, attention masks let a row see its own valid slots alone, and position ids count them.
-Nothing is recomputed; once most slots are invalid the cache is compacted (each row's valid
-slots moved to the front, order kept: RoPE was applied when the keys were written).
+Rows accept different numbers of tokens, so their caches grow apart: every model keeps one
+KV cache for the whole batch in which each row owns a set of valid slots (:mod:`eval.slots`).
+The target's cache is ``padded`` (a cache row per batch row, blocks padded to the longest row)
+or ``packed`` (all rows in one cache row, only real tokens fed); the drafters' are padded.
 
 Per-row K: each row has its own :class:`~eval.stats.KController` (fixed K, fallback on), so a
 row whose drafts keep failing stops speculating (its slots of the block are padding) while the
@@ -25,87 +23,15 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from eval.decoder import DecodeResult, _Stopper
 from eval.proposal import Sampling
 from eval.proposers import DraftLMProposer, Proposer, fit_vocab
 from eval.proposers_eagle import EagleProposer
+from eval.slots import LAYOUTS, SlotCache, slot_cache
 from eval.stats import DecodeStats, KController
 from eval.target_model import cache_kwarg, native_gqa
 from eval.verify import verify_chain_batch
-
-
-class SlotCache:
-    """A transformers :class:`~transformers.DynamicCache` for a batch whose rows keep their own
-    valid slots (see the module docstring).
-
-    Args:
-        config: the model config (layers and heads of the cache).
-        batch: rows.
-        device: where the slot masks live (the model's device).
-    """
-
-    def __init__(self, config: object, batch: int, device: torch.device) -> None:
-        self.cache = DynamicCache(config=config)
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-
-    @property
-    def width(self) -> int:
-        """Slots per row, valid or not."""
-        return int(self.valid.shape[1])
-
-    def lengths(self) -> Tensor:
-        """``(B,)`` valid slots per row: the tokens each row has in the cache."""
-        return self.valid.sum(1)
-
-    def open(self, new_valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Append a block of ``T`` slots to every row (real where ``new_valid (B, T)`` is True,
-        padding elsewhere) and return what feeding it needs: the attention mask
-        ``(B, 1, T, width + T)`` (bool, True = attend: the row's valid slots, its real tokens of
-        the block up to the query; a padding query sees only itself) and position ids ``(B, T)``
-        (valid slots before the token)."""
-        b, t = new_valid.shape
-        dev = new_valid.device
-        pos = (self.lengths().unsqueeze(1) + new_valid.long().cumsum(1) - 1).clamp_min(0)
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        block = (causal & new_valid.unsqueeze(1)) | torch.eye(t, dtype=torch.bool, device=dev)
-        past = self.valid.unsqueeze(1).expand(b, t, self.width)
-        mask = torch.cat([past, block], dim=-1).unsqueeze(1)
-        self.valid = torch.cat([self.valid, new_valid], dim=1)
-        return mask, pos
-
-    def keep(self, start: int, counts: Tensor) -> None:
-        """Of the slots from ``start`` on, row ``b`` keeps its first ``counts[b]`` valid ones."""
-        tail = self.valid[:, start:]
-        self.valid[:, start:] = tail & (tail.long().cumsum(1) <= counts.unsqueeze(1))
-
-    @torch.inference_mode()
-    def select(self, rows: Tensor) -> None:
-        """Keep only the batch rows ``rows`` (the others finished), then compact if worth it."""
-        for layer in self.cache.layers:
-            if layer.keys is not None:  # layers are filled on their first forward
-                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        self.valid = self.valid[rows]
-        self.compact()
-
-    @torch.inference_mode()
-    def compact(self, slack: float = 2.0) -> None:
-        """Move each row's valid slots to the front (in order) and drop the rest, once the cache
-        is more than ``slack`` times as wide as its longest row."""
-        n = self.lengths()
-        longest = int(n.max()) if n.numel() else 0
-        if self.width <= slack * longest + 16:
-            return
-        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :longest]
-        for layer in self.cache.layers:
-            if layer.keys is None:
-                continue
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
-                                                 layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, idx.to(layer.keys.device))
-            layer.values = layer.values.gather(2, idx.to(layer.values.device))
-        self.valid = torch.arange(longest, device=n.device) < n.unsqueeze(1)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -131,17 +57,20 @@ class BatchTarget:
     Args:
         model: the target causal LM (``model.model`` the decoder stack, ``model.lm_head``).
         layer_ids: hidden-state layers to return as well (fused EAGLE-3 features).
+        layout: the cache layout, ``padded`` or ``packed`` (:mod:`eval.slots`).
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int] = ()) -> None:
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int] = (),
+                 layout: str = "padded") -> None:
         self.model = model
         self.layer_ids = list(layer_ids)
+        self.layout = layout
         self.device = next(model.parameters()).device
         self._cache_kw = cache_kwarg(model.model)
-        self.slots: SlotCache | None = None
+        self.slots = None
 
     def start(self, batch: int) -> None:
-        self.slots = SlotCache(self.model.config, batch, self.device)
+        self.slots = slot_cache(self.layout, self.model.config, batch, self.device)
 
     @torch.inference_mode()
     def feed(self, ids: Tensor, valid: Tensor,
@@ -154,16 +83,18 @@ class BatchTarget:
             hidden state), or ``(B, T, L * H)`` the requested layers side by side.
         """
         mask, pos = self.slots.open(valid)
+        fed = self.slots.pack(ids, valid)
         # native GQA as in eval.target_model, for multi-token blocks only: on one-token steps of
         # a batch it measured slower than transformers' KV copy (115 vs 153 tokens/s, B = 16)
-        with native_gqa(self.device.type == "cpu" and ids.shape[1] > 1):
-            out = self.model.model(input_ids=ids, **{self._cache_kw: self.slots.cache},
+        with native_gqa(self.device.type == "cpu" and fed.shape[1] > 1):
+            out = self.model.model(input_ids=fed, **{self._cache_kw: self.slots.cache},
                                    use_cache=True, position_ids=pos, attention_mask=mask,
                                    output_hidden_states=bool(self.layer_ids))
-        hidden = out.last_hidden_state
+        hidden = self.slots.unpack(out.last_hidden_state, valid)
         logits = self.model.lm_head(last_valid(hidden, valid) if last_only else hidden).float()
         if self.layer_ids:
-            hidden = torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
+            hidden = torch.cat([self.slots.unpack(out.hidden_states[i], valid)
+                                for i in self.layer_ids], dim=-1)
         return logits, hidden
 
 
@@ -330,15 +261,20 @@ class BatchDecoder:
             :class:`~eval.proposers_eagle.EagleProposer`), or a plain proposer.
         k: draft length per step (0 = plain batched decoding).
         fallback: per-row fallback to plain decoding (each row's own K controller).
+        layout: the target's cache layout (:data:`eval.slots.LAYOUTS`): ``packed`` feeds only
+            each row's real tokens (a fallen-back row adds one token to a verification),
+            ``padded`` pads every row to the longest chain.
     """
 
     def __init__(self, target: nn.Module, proposer: Proposer, k: int = 3,
-                 fallback: bool = True) -> None:
+                 fallback: bool = True, layout: str = "padded") -> None:
         if k < 0:
             raise ValueError(f"k must be >= 0 (0 = plain decoding), got {k}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
         self.drafter = proposer.batched()
         self.k = k if self.drafter is not None else 0
-        self.target = BatchTarget(target, proposer.layer_ids)
+        self.target = BatchTarget(target, proposer.layer_ids, layout)
         self.fallback = fallback
         self.lossless = proposer.lossless
 

@@ -36,6 +36,7 @@ from eval import session
 from eval.checks import check_noise_tolerance, check_out_file, check_sampling, integer, number
 from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
+from eval.slots import LAYOUTS
 from eval.tree import check_tree_draw
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "eval"  # the evaluation configs
@@ -82,6 +83,8 @@ def _validate(cfg: DictConfig) -> None:
         raise ValueError("batch_size > 1 decodes chains: use tree=chain (or auto)")
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
+    if str(cfg.get("batch_layout", "padded")) not in LAYOUTS:
+        raise ValueError(f"batch_layout={cfg.batch_layout}: use one of {', '.join(LAYOUTS)}")
     if baseline_proposer(cfg.draft) is None and not Path(str(cfg.draft)).expanduser().is_dir():
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
                          "draft package or export folder, none (plain decoding) or lookup "
@@ -169,7 +172,8 @@ def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, rec
 
     if cfg.acceptance != "lossless":
         raise ValueError("batch_size > 1 verifies losslessly: use acceptance=lossless")
-    dec = BatchDecoder(model, proposer, k=k, fallback=bool(cfg.fallback))
+    dec = BatchDecoder(model, proposer, k=k, fallback=bool(cfg.fallback),
+                       layout=str(cfg.get("batch_layout", "padded")))
     plain = BatchDecoder(model, PlainProposer(), k=0) if cfg.baseline else None
     for d in (dec, plain) if plain is not None else (dec,):  # warm-up
         d.generate([records[0]["prompt_ids"]], 2, seed=0)

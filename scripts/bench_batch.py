@@ -221,35 +221,44 @@ def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict
                 eos: Any) -> list[dict]:
     """Good rows batched with one hostile row, against the same batch whose last row is not
     hostile (what the hostile row costs the others), and against each good row alone (what
-    batching costs a row on this machine)."""
+    batching costs a row on this machine); per target cache layout, all in the same rounds."""
     good = [r["prompt_ids"] for r in records[: int(cfg.mixed.good_rows)]]
     last = records[int(cfg.mixed.good_rows)]["prompt_ids"]
     k, new, temp = int(cfg.mixed.k), int(cfg.max_new_tokens), float(cfg.temperature)
+    layouts = list(cfg.mixed.get("layouts", ["padded"]))
     out = []
     for fam, proposer in proposers.items():
-        clean = BatchDecoder(model, proposer, k=k, fallback=True)
-        mixed = BatchDecoder(model, proposer, k=k, fallback=True)
-        mixed.drafter = Hostile(mixed.drafter, [len(good)], int(model.config.vocab_size))
-        runs: dict[str, list[list[float]]] = {"alone": [], "clean": [], "mixed": []}
-        hostile_spec = []
+        decs = {"alone": BatchDecoder(model, proposer, k=k, fallback=True)}
+        for lay in layouts:
+            decs[f"clean {lay}"] = BatchDecoder(model, proposer, k=k, fallback=True, layout=lay)
+            decs[f"mixed {lay}"] = BatchDecoder(model, proposer, k=k, fallback=True, layout=lay)
+            decs[f"mixed {lay}"].drafter = Hostile(decs[f"mixed {lay}"].drafter, [len(good)],
+                                                   int(model.config.vocab_size))
+        runs: dict[str, list[list[float]]] = {name: [] for name in decs}
+        hostile_spec: dict[str, list[float]] = {lay: [] for lay in layouts}
         for rnd in range(int(cfg.repeats)):
             note(f"heterogeneous rows, {fam}, round {rnd + 1}")
-            runs["alone"].append([clean.generate([p], new, temp, eos_token_id=eos, seed=rnd)[0]
-                                  .stats.tokens_per_s for p in good])
-            for name, dec in (("clean", clean), ("mixed", mixed)):
+            runs["alone"].append([decs["alone"].generate([p], new, temp, eos_token_id=eos,
+                                                         seed=rnd)[0].stats.tokens_per_s
+                                  for p in good])
+            for name, dec in decs.items():
+                if name == "alone":
+                    continue
                 res = dec.generate([*good, last], new, temp, eos_token_id=eos, seed=rnd)
                 runs[name].append([r.stats.tokens_per_s for r in res[:len(good)]])
-                if name == "mixed":
+                if name.startswith("mixed"):
                     st = res[-1].stats
-                    hostile_spec.append(st.spec_steps / max(st.spec_steps + st.plain_steps, 1))
+                    hostile_spec[name.split()[1]].append(
+                        st.spec_steps / max(st.spec_steps + st.plain_steps, 1))
         med = {n: [statistics.median(r[i] for r in v) for i in range(len(good))]
                for n, v in runs.items()}
-        vs_clean = [m / c for m, c in zip(med["mixed"], med["clean"])]
-        vs_alone = [m / a for m, a in zip(med["mixed"], med["alone"])]
-        out.append({"draft": fam, "k": k, "good_rows": len(good),
-                    "good_rows_vs_clean_batch": vs_clean, "worst_vs_clean": min(vs_clean),
-                    "good_rows_vs_alone": vs_alone, "worst": min(vs_alone),
-                    "hostile_speculative_step_share": statistics.median(hostile_spec)})
+        for lay in layouts:
+            vs_clean = [m / c for m, c in zip(med[f"mixed {lay}"], med[f"clean {lay}"])]
+            vs_alone = [m / a for m, a in zip(med[f"mixed {lay}"], med["alone"])]
+            out.append({"draft": fam, "k": k, "layout": lay, "good_rows": len(good),
+                        "good_rows_vs_clean_batch": vs_clean, "worst_vs_clean": min(vs_clean),
+                        "good_rows_vs_alone": vs_alone, "worst": min(vs_alone),
+                        "hostile_speculative_step_share": statistics.median(hostile_spec[lay])})
     return out
 
 
@@ -273,7 +282,8 @@ def write_markdown(res: dict, path: Path) -> None:
     for m in res["mixed"]:
         clean = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_clean_batch"])
         alone = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_alone"])
-        lines += ["", (f"Heterogeneous rows ({m['draft']}, K = {m['k']}): {m['good_rows']} good "
+        lines += ["", (f"Heterogeneous rows ({m['draft']}, K = {m['k']}, "
+                       f"{m.get('layout', 'padded')} cache): {m['good_rows']} good "
                        "rows batched with one row whose drafts are always wrong; each good "
                        "row's tokens/s over the same row in the same batch without the hostile "
                        f"row: {clean} (worst {m['worst_vs_clean']:.2f}); over the row decoded "

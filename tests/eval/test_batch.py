@@ -6,14 +6,16 @@ with a twin that applies one row's accepted count to another and fails."""
 from __future__ import annotations
 
 import copy
+import statistics
 
 import pytest
 import torch
 
-from eval.batch import BatchDecoder, SlotCache
+from eval.batch import BatchDecoder
 from eval.decoder import SpeculativeDecoder
 from eval.proposers import DraftLMProposer, PlainProposer
 from eval.proposers_eagle import EagleProposer
+from eval.slots import PackedSlotCache, SlotCache
 from tests.conftest import randomize, tiny_llama
 from tests.eval.test_decoder import PROMPTS, VOCAB, hf_greedy
 from tests.eval.test_sampling_exact import (
@@ -51,11 +53,12 @@ def make(name: str, model):
     return EagleProposer(head, VOCAB)
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", ["plain", "lm", "lm-vocab", "eagle", "eagle3", "eagle3-layout"])
-def test_greedy_rows_equal_batch_one_decoding(target_model, name):
+def test_greedy_rows_equal_batch_one_decoding(target_model, name, layout):
     proposer = make(name, target_model)
     single = SpeculativeDecoder(target_model, proposer, k=3, adaptive=False, fallback=False)
-    batch = BatchDecoder(target_model, proposer, k=3, fallback=False)
+    batch = BatchDecoder(target_model, proposer, k=3, fallback=False, layout=layout)
     got = batch.generate(BATCH_PROMPTS, max_new_tokens=20)
     for prompt, res in zip(BATCH_PROMPTS, got):
         alone = single.generate(prompt, max_new_tokens=20)
@@ -66,11 +69,12 @@ def test_greedy_rows_equal_batch_one_decoding(target_model, name):
             assert res.stats.spec_steps == alone.stats.spec_steps
 
 
-def test_rows_finish_apart_and_leave_the_batch(target_model):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_rows_finish_apart_and_leave_the_batch(target_model, layout):
     proposer = make("lm", target_model)
     want = [hf_greedy(target_model, p, 30, None) for p in BATCH_PROMPTS]
     eos = want[1][4]  # ends row 1 early; other rows may meet it later or never
-    got = BatchDecoder(target_model, proposer, k=4, fallback=False).generate(
+    got = BatchDecoder(target_model, proposer, k=4, fallback=False, layout=layout).generate(
         BATCH_PROMPTS, max_new_tokens=30, eos_token_id=eos)
     for res, full in zip(got, want):
         cut = full[:full.index(eos) + 1] if eos in full else full
@@ -92,16 +96,67 @@ def test_slot_cache_masks_positions_and_compaction():
     assert mask[:, 0, 0].tolist() == [[True, True, False, True], [True, False, False, True]]
 
 
-def test_batched_decoding_compacts_without_changing_outputs(target_model):
+def test_packed_cache_masks_positions_keep_and_select():
+    slots = PackedSlotCache(tiny_llama(seed=0, vocab=VOCAB).config, 2, torch.device("cpu"))
+    valid = torch.tensor([[True, True, True], [True, False, False]])
+    mask, pos = slots.open(valid)
+    assert slots.pack(torch.tensor([[5, 6, 7], [8, 0, 0]]), valid).tolist() == [[5, 6, 7, 8]]
+    assert pos.tolist() == [[0, 1, 2, 0]]  # four real tokens, no padding fed
+    assert mask[0, 0].tolist() == [[True, False, False, False], [True, True, False, False],
+                                   [True, True, True, False], [False, False, False, True]]
+    y = torch.arange(4.0).view(1, 4, 1)
+    assert slots.unpack(y, valid)[..., 0].tolist() == [[0, 1, 2], [3, 0, 0]]
+    slots.keep(0, torch.tensor([2, 1]))  # row 0 keeps 2 of its 3 new slots
+    assert slots.owner.tolist() == [0, 0, -1, 1] and slots.lengths().tolist() == [2, 1]
+    mask, pos = slots.open(torch.tensor([[True], [True]]))
+    assert pos.tolist() == [[2, 1]]
+    assert mask[0, 0].tolist() == [[True, True, False, False, True, False],
+                                   [False, False, False, True, False, True]]
+    slots.select(torch.tensor([1]))  # row 0 finished: row 1 becomes row 0, its 2 slots kept
+    assert slots.lengths().tolist() == [2] and (slots.owner >= 0).sum() == 2
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_fallen_back_rows_feed_one_token_when_packed(target_model, layout, monkeypatch):
+    # row 1's drafts are always wrong: it falls back while row 0 goes on speculating at K = 3;
+    # packed, its verification slot is one token (the block has 4 + 1), padded it is 4 (4 + 4)
+    from eval.stats import KController
+    from scripts.bench_batch import Hostile
+
+    class Untimed(KController):  # the fallback test on tokens per step alone, not timings
+        def is_loss(self) -> bool:
+            return statistics.fmean(s.tokens for s in self.history) < 1.5
+
+    monkeypatch.setattr("eval.batch.KController", Untimed)
+    proposer = make("lm", target_model)
+    dec = BatchDecoder(target_model, proposer, k=3, fallback=True, layout=layout)
+    dec.drafter = Hostile(dec.drafter, [1], VOCAB)
+    fed: list[int] = []
+    feed = dec.target.feed
+    dec.target.feed = lambda ids, valid, **kw: fed.append(
+        dec.target.slots.pack(ids, valid).numel()) or feed(ids, valid, **kw)
+    got = dec.generate(BATCH_PROMPTS[:2], max_new_tokens=30)
+    for prompt, res in zip(BATCH_PROMPTS[:2], got):
+        assert res.output_ids == hf_greedy(target_model, prompt, 30, None)
+    assert got[1].stats.plain_steps > got[1].stats.spec_steps > 0  # fell back, probed
+    # both rows speculate for the first steps (8 tokens either way), then row 1 falls back
+    assert (5 in fed) == (layout == "packed") and (fed.count(8) > 4) == (layout == "padded")
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batched_decoding_compacts_without_changing_outputs(target_model, layout):
     # a draft that is always wrong at K = 6 leaves 6 invalid slots per step and row: the cache
     # is compacted along the way, and the outputs stay the target's
     proposer = DraftLMProposer(tiny_llama(seed=9, vocab=VOCAB, layers=1), VOCAB)
-    dec = BatchDecoder(target_model, proposer, k=6, fallback=False)
+    dec = BatchDecoder(target_model, proposer, k=6, fallback=False, layout=layout)
     got = dec.generate(BATCH_PROMPTS, max_new_tokens=40)
     for prompt, res in zip(BATCH_PROMPTS, got):
         assert res.output_ids == hf_greedy(target_model, prompt, 40, None)
     longest = max(len(p) for p in BATCH_PROMPTS) + 40
-    assert dec.target.slots.width <= 2 * longest + 16 + 7  # compacted (else ~40 * 7 slots)
+    if layout == "padded":
+        assert dec.target.slots.width <= 2 * longest + 16 + 7  # compacted (else ~40 * 7 slots)
+    else:  # one row holds every row's slots
+        assert dec.target.slots.width <= 2 * len(BATCH_PROMPTS) * longest + 16 + 7 * 4
 
 
 def test_chains_of_trees_are_refused(target_model):
@@ -115,9 +170,10 @@ PROMPT_A, PROMPT_B = [1, 0, 1], [0, 0, 1, 1, 0]
 ROWS = 300  # per prompt, in batches of 2 * 50 rows (the prompts interleaved)
 
 
-def _batch_p_values(kind: str, setting: dict, swap_counts: bool = False) -> list[float]:
+def _batch_p_values(kind: str, setting: dict, swap_counts: bool = False,
+                    layout: str = "padded") -> list[float]:
     model = _binary_llama(seed=1)
-    dec = BatchDecoder(model, _deep_proposer(kind, model), k=3, fallback=False)
+    dec = BatchDecoder(model, _deep_proposer(kind, model), k=3, fallback=False, layout=layout)
     if swap_counts:  # the twin: each row is given its neighbour's accepted count
         verify = dec._verify
 
@@ -150,20 +206,23 @@ def _deep_exact_for(model, prompt: list[int], setting: dict) -> torch.Tensor:
         exact.DEEP_PROMPT = old
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
 @pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"])
-def test_batched_rows_sample_exactly(kind, setting):
-    assert min(_batch_p_values(kind, setting)) > 0.01
+def test_batched_rows_sample_exactly(kind, setting, layout):
+    assert min(_batch_p_values(kind, setting, layout=layout)) > 0.01
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"])
-def test_twin_another_rows_accepted_count_fails(kind):
+def test_twin_another_rows_accepted_count_fails(kind, layout):
     # the test above (every prompt p > 0.01) fails: some prompt is far off
-    assert min(_batch_p_values(kind, DEEP_SETTINGS[1], swap_counts=True)) < 1e-3
+    assert min(_batch_p_values(kind, DEEP_SETTINGS[1], swap_counts=True, layout=layout)) < 1e-3
 
 
 @pytest.mark.real
-def test_batched_rows_equal_batch_one_on_the_real_target(real_target):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batched_rows_equal_batch_one_on_the_real_target(real_target, layout):
     # the released EAGLE-3 head (fused layers, 8,192-id draft vocabulary) on the real target,
     # fp32: each row of a batch of prompts of different lengths is, token for token and
     # acceptance for acceptance, its batch-one decoding
@@ -183,7 +242,8 @@ def test_batched_rows_equal_batch_one_on_the_real_target(real_target):
              "List three uses of a paperclip."]
     prompts = [encode_prompt(real_target.tokenizer, t) for t in texts]
     single = SpeculativeDecoder(model, eagle, k=3, adaptive=False, fallback=False)
-    got = BatchDecoder(model, eagle, k=3, fallback=False).generate(prompts, max_new_tokens=24)
+    got = BatchDecoder(model, eagle, k=3, fallback=False, layout=layout).generate(
+        prompts, max_new_tokens=24)
     for prompt, res in zip(prompts, got):
         alone = single.generate(prompt, max_new_tokens=24)
         assert res.output_ids == alone.output_ids

@@ -302,9 +302,11 @@ def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, t
     alone = _decode(decode_setup, path, "k=3", "limit=3", "adaptive_k=false", "fallback=false",
                     "tree=chain")
     batched = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false")
+    packed = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false",
+                     "batch_layout=packed")
     assert batched["summary"]["batch_size"] == 2 and batched["summary"]["speedup"] > 0
     assert [s["output_ids"] for s in batched["samples"]] == [
-        s["output_ids"] for s in alone["samples"]]
+        s["output_ids"] for s in alone["samples"]] == [s["output_ids"] for s in packed["samples"]]
     assert [s["batch"] for s in batched["samples"]] == [0, 0, 1]
     assert batched["summary"]["tree"] is False and batched["summary"]["matches_baseline"] == 1.0
     # a measured batch record gives K per batch size (the largest measured size up to B)
@@ -324,3 +326,5 @@ def test_bad_batch_settings_are_refused(decode_setup):
         _decode(decode_setup, decode_setup["lm"], "batch_size=2", "tree=tree")
     with pytest.raises(ValueError, match="time_budget_s is per request"):
         _decode(decode_setup, decode_setup["lm"], "batch_size=2", "time_budget_s=5")
+    with pytest.raises(ValueError, match="batch_layout=ragged: use one of padded, packed"):
+        _decode(decode_setup, decode_setup["lm"], "batch_size=2", "batch_layout=ragged")

@@ -38,7 +38,8 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
             assert rec["k_star"][str(r["batch_size"])] == (best if sp[best] > 1 else 0)
         zero = [int(b) for b, k in rec["k_star"].items() if k == 0]
         assert rec["crossover"] == (min(zero) if zero else None)
-    assert {m["draft"] for m in res["mixed"]} == {"lm", "eagle"}
+    assert sorted((m["draft"], m["layout"]) for m in res["mixed"]) == [
+        ("eagle", "packed"), ("eagle", "padded"), ("lm", "packed"), ("lm", "padded")]
     assert all(len(m["good_rows_vs_alone"]) == len(m["good_rows_vs_clean_batch"]) == 2
                and m["worst"] > 0 and m["worst_vs_clean"] > 0 for m in res["mixed"])
     png = matplotlib.image.imread(tmp_path / "out" / "throughput.png")
