@@ -52,7 +52,8 @@ def last_valid(x: Tensor, valid: Tensor) -> Tensor:
 
 
 class BatchTarget:
-    """The target over a :class:`SlotCache`: feeds blocks, returns logits and features.
+    """The target over a slot cache (:mod:`eval.slots`): feeds blocks, returns logits and
+    features.
 
     Args:
         model: the target causal LM (``model.model`` the decoder stack, ``model.lm_head``).
