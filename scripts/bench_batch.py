@@ -120,6 +120,13 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mixed.enabled and good_rows < 1:
         raise ValueError(f"mixed.good_rows={good_rows}: the heterogeneous-row test needs at least "
                          "one good row beside the hostile one (or mixed.enabled=false)")
+    if cfg.mixed.enabled and str(cfg.mixed.k) == "auto":
+        if not {1, good_rows + 1} <= set(sizes):
+            raise ValueError(f"mixed.k=auto takes K from this run's table at B = 1 and B = "
+                             f"mixed.good_rows + 1 = {good_rows + 1}: add them to batch_sizes "
+                             f"(got {sizes}) or pass mixed.k=<an integer>")
+    elif cfg.mixed.enabled and integer("mixed.k", cfg.mixed.k, "auto or an integer >= 1") < 1:
+        raise ValueError(f"mixed.k must be auto or an integer >= 1, got {cfg.mixed.k}")
     drafts = {f: str(repo_path(cfg[f])) for f in FAMILIES if cfg.get(f)}  # lm=, eagle=
     check_out_dir("out_dir", repo_path(cfg.out_dir), {"questions": questions, **{
         f: Path(p) for f, p in drafts.items()}}, ("results.json", "results.md"))
@@ -194,7 +201,9 @@ def run(cfg: DictConfig) -> dict:
                               "max_new_tokens": max_new, "temperature": temp,
                               "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
     # the hostile row shifts its drafts but not their q: lossless only for greedy rows
-    mixed = (bench_mixed(cfg, model, proposers, records, eos)
+    mixed_ks = ({fam: mixed_k(cfg, rows, ks, fam) for fam in proposers}
+                if cfg.mixed.enabled else {})
+    mixed = (bench_mixed(cfg, model, proposers, records, eos, mixed_ks)
              if cfg.mixed.enabled and temp == 0 else [])
     res = {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows,
            "batch": batch_records, "mixed": mixed, "target": loaded.identity.to_dict(),
@@ -217,18 +226,33 @@ def run(cfg: DictConfig) -> dict:
     return res
 
 
+def mixed_k(cfg: DictConfig, rows: list[dict], ks: list[int], fam: str) -> tuple[int, int]:
+    """The K of the heterogeneous test, alone and batched: ``mixed.k``, or with ``auto`` the
+    best K of this run's table at B = 1 and at B = ``good_rows + 1`` (what ``eval/decode.py
+    batch_size=B`` reads from the batch record), so each side runs at the K it would use."""
+    if str(cfg.mixed.k) != "auto":
+        return int(cfg.mixed.k), int(cfg.mixed.k)
+    by_b = {r["batch_size"]: r["speedup"] for r in rows}
+
+    def best(b: int) -> int:
+        return max(ks, key=lambda k: by_b[b][f"{fam} K={k}"])
+    return best(1), best(int(cfg.mixed.good_rows) + 1)
+
+
 def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict],
-                eos: Any) -> list[dict]:
+                eos: Any, mixed_ks: dict[str, tuple[int, int]]) -> list[dict]:
     """Good rows batched with one hostile row, against the same batch whose last row is not
     hostile (what the hostile row costs the others), and against each good row alone (what
-    batching costs a row on this machine); per target cache layout, all in the same rounds."""
+    batching costs a row on this machine); per target cache layout, all in the same rounds.
+    ``mixed_ks[family]``: the K alone and batched (:func:`mixed_k`)."""
     good = [r["prompt_ids"] for r in records[: int(cfg.mixed.good_rows)]]
     last = records[int(cfg.mixed.good_rows)]["prompt_ids"]
-    k, new, temp = int(cfg.mixed.k), int(cfg.max_new_tokens), float(cfg.temperature)
+    new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
     layouts = list(cfg.mixed.get("layouts", ["padded"]))
     out = []
     for fam, proposer in proposers.items():
-        decs = {"alone": BatchDecoder(model, proposer, k=k, fallback=True)}
+        k_alone, k = mixed_ks[fam]
+        decs = {"alone": BatchDecoder(model, proposer, k=k_alone, fallback=True)}
         for lay in layouts:
             decs[f"clean {lay}"] = BatchDecoder(model, proposer, k=k, fallback=True, layout=lay)
             decs[f"mixed {lay}"] = BatchDecoder(model, proposer, k=k, fallback=True, layout=lay)
@@ -255,7 +279,8 @@ def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict
         for lay in layouts:
             vs_clean = [m / c for m, c in zip(med[f"mixed {lay}"], med[f"clean {lay}"])]
             vs_alone = [m / a for m, a in zip(med[f"mixed {lay}"], med["alone"])]
-            out.append({"draft": fam, "k": k, "layout": lay, "good_rows": len(good),
+            out.append({"draft": fam, "k": k, "k_alone": k_alone, "layout": lay,
+                        "good_rows": len(good),
                         "good_rows_vs_clean_batch": vs_clean, "worst_vs_clean": min(vs_clean),
                         "good_rows_vs_alone": vs_alone, "worst": min(vs_alone),
                         "hostile_speculative_step_share": statistics.median(hostile_spec[lay])})
@@ -282,7 +307,8 @@ def write_markdown(res: dict, path: Path) -> None:
     for m in res["mixed"]:
         clean = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_clean_batch"])
         alone = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_alone"])
-        lines += ["", (f"Heterogeneous rows ({m['draft']}, K = {m['k']}, "
+        lines += ["", (f"Heterogeneous rows ({m['draft']}, K = {m['k']}, alone at K = "
+                       f"{m.get('k_alone', m['k'])}, "
                        f"{m.get('layout', 'padded')} cache): {m['good_rows']} good "
                        "rows batched with one row whose drafts are always wrong; each good "
                        "row's tokens/s over the same row in the same batch without the hostile "

@@ -22,7 +22,7 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
         "questions": str(decode_setup["questions"]), "batch_sizes": [1, 2], "ks": [1, 2],
         "max_new_tokens": 6, "repeats": 1, "lm": str(lm), "eagle": str(eagle),
-        "mixed": {"good_rows": 2, "k": 2}, "write": True,  # 3 prompts: one past the largest batch
+        "mixed": {"good_rows": 1, "k": "auto"}, "write": True,
         "target_path": str(decode_setup["target"]), "dtype": "float32",
         "out_dir": str(tmp_path / "out")})
     res = bench_batch.run(cfg)
@@ -40,8 +40,12 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
         assert rec["crossover"] == (min(zero) if zero else None)
     assert sorted((m["draft"], m["layout"]) for m in res["mixed"]) == [
         ("eagle", "packed"), ("eagle", "padded"), ("lm", "packed"), ("lm", "padded")]
-    assert all(len(m["good_rows_vs_alone"]) == len(m["good_rows_vs_clean_batch"]) == 2
+    assert all(len(m["good_rows_vs_alone"]) == len(m["good_rows_vs_clean_batch"]) == 1
                and m["worst"] > 0 and m["worst_vs_clean"] > 0 for m in res["mixed"])
+    for m in res["mixed"]:  # mixed.k=auto: each side at the best K of the table at its B
+        best = {r["batch_size"]: max((1, 2), key=lambda k: r["speedup"][f"{m['draft']} K={k}"])
+                for r in res["rows"]}
+        assert (m["k_alone"], m["k"]) == (best[1], best[2])
     png = matplotlib.image.imread(tmp_path / "out" / "throughput.png")
     assert png.shape[0] > 200 and png.shape[1] > 500
     md = (tmp_path / "out" / "results.md").read_text()
@@ -57,7 +61,9 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"mixed": {"good_rows": 3}}, "need 4"),  # 3 good rows + the hostile row > 3 questions
+    ({"mixed": {"good_rows": 3, "k": 2}}, "need 4"),  # 3 good rows + the hostile row > 3
+    ({"mixed": {"good_rows": 2}}, r"B = mixed.good_rows \+ 1 = 3: add them to batch_sizes"),
+    ({"mixed": {"k": 0}}, "mixed.k must be auto or an integer >= 1"),
     ({"batch_sizes": [1, 4]}, "need 4"),
     ({"mixed": {"good_rows": 0}}, "at least one good row"),
 ])
