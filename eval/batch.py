@@ -28,7 +28,7 @@ from eval.decoder import DecodeResult, _Stopper
 from eval.proposal import Sampling
 from eval.proposers import DraftLMProposer, Proposer, fit_vocab
 from eval.proposers_eagle import EagleProposer
-from eval.slots import LAYOUTS, SlotCache, slot_cache
+from eval.slots import SlotCache, check_layout, slot_cache
 from eval.stats import DecodeStats, KController
 from eval.target_model import cache_kwarg, native_gqa
 from eval.verify import verify_chain_batch
@@ -271,11 +271,9 @@ class BatchDecoder:
                  fallback: bool = True, layout: str = "padded") -> None:
         if k < 0:
             raise ValueError(f"k must be >= 0 (0 = plain decoding), got {k}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
         self.drafter = proposer.batched()
         self.k = k if self.drafter is not None else 0
-        self.target = BatchTarget(target, proposer.layer_ids, layout)
+        self.target = BatchTarget(target, proposer.layer_ids, check_layout(layout))
         self.fallback = fallback
         self.lossless = proposer.lossless
 

@@ -36,7 +36,7 @@ from eval import session
 from eval.checks import check_noise_tolerance, check_out_file, check_sampling, integer, number
 from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
 from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
-from eval.slots import LAYOUTS
+from eval.slots import check_layout
 from eval.tree import check_tree_draw
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "eval"  # the evaluation configs
@@ -83,8 +83,7 @@ def _validate(cfg: DictConfig) -> None:
         raise ValueError("batch_size > 1 decodes chains: use tree=chain (or auto)")
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
-    if str(cfg.get("batch_layout", "padded")) not in LAYOUTS:
-        raise ValueError(f"batch_layout={cfg.batch_layout}: use one of {', '.join(LAYOUTS)}")
+    check_layout(str(cfg.get("batch_layout", "padded")), "batch_layout")
     if baseline_proposer(cfg.draft) is None and not Path(str(cfg.draft)).expanduser().is_dir():
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
                          "draft package or export folder, none (plain decoding) or lookup "

@@ -185,10 +185,16 @@ class PackedSlotCache:
         self.owner = self.owner[idx]
 
 
+def check_layout(layout: str, name: str = "layout") -> str:
+    """``layout`` if it is one of :data:`LAYOUTS`, else a ValueError naming the setting ``name``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}={layout}: use one of {', '.join(LAYOUTS)} (packed feeds only "
+                         "each row's real tokens; padded pads every row to the longest)")
+    return layout
+
+
 def slot_cache(layout: str, config: object, batch: int,
                device: torch.device) -> SlotCache | PackedSlotCache:
     """The cache of ``layout`` (one of :data:`LAYOUTS`)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)} (packed feeds "
-                         "only each row's real tokens; padded pads every row to the longest)")
-    return (PackedSlotCache if layout == "packed" else SlotCache)(config, batch, device)
+    return (PackedSlotCache if check_layout(layout) == "packed" else SlotCache)(config, batch,
+                                                                                  device)

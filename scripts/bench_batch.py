@@ -191,7 +191,7 @@ def run(cfg: DictConfig) -> dict:
     for fam in proposers:
         k_star, speedup = {}, {}
         for r in rows:
-            best = max(ks, key=lambda k: r["speedup"][f"{fam} K={k}"])
+            best = best_k(r, fam, ks)
             sp = r["speedup"][f"{fam} K={best}"]
             k_star[str(r["batch_size"])] = best if sp > 1.0 else 0
             speedup[str(r["batch_size"])] = sp
@@ -232,11 +232,13 @@ def mixed_k(cfg: DictConfig, rows: list[dict], ks: list[int], fam: str) -> tuple
     batch_size=B`` reads from the batch record), so each side runs at the K it would use."""
     if str(cfg.mixed.k) != "auto":
         return int(cfg.mixed.k), int(cfg.mixed.k)
-    by_b = {r["batch_size"]: r["speedup"] for r in rows}
+    by_b = {r["batch_size"]: r for r in rows}
+    return best_k(by_b[1], fam, ks), best_k(by_b[int(cfg.mixed.good_rows) + 1], fam, ks)
 
-    def best(b: int) -> int:
-        return max(ks, key=lambda k: by_b[b][f"{fam} K={k}"])
-    return best(1), best(int(cfg.mixed.good_rows) + 1)
+
+def best_k(row: dict, fam: str, ks: list[int]) -> int:
+    """The K of the best speedup of ``fam`` in one batch size's ``row`` of the table."""
+    return max(ks, key=lambda k: row["speedup"][f"{fam} K={k}"])
 
 
 def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict],
