@@ -6,6 +6,11 @@ row with the same lossless rule as batch size one (:func:`eval.verify.verify_cha
 accepted length per row), and commits each row under its own stop rules; rows that finish
 leave the batch. ``K = 0`` is plain batched decoding through the same loop.
 
+An EAGLE head with ``tree=True`` drafts an EAGLE-2 dynamic tree per row instead (each depth of
+every row's tree in one ``(B, topk)`` head forward); the target verifies each row's pending
+token and tree in one ``(B, N + 1)`` block under per-row tree masks (padded layout), each row is
+verified by the batch-one tree rules, and both caches keep each row's accepted path only.
+
 Rows accept different numbers of tokens, so their caches grow apart: every model keeps one
 KV cache for the whole batch in which each row owns a set of valid slots (:mod:`eval.slots`).
 The target's cache is ``padded`` (a cache row per batch row, blocks padded to the longest row)
@@ -18,37 +23,18 @@ others go on. The block is as wide as the longest row's chain.
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from eval.decoder import DecodeResult, _Stopper
-from eval.proposal import Sampling
-from eval.proposers import DraftLMProposer, Proposer, fit_vocab
-from eval.proposers_eagle import EagleProposer
-from eval.slots import SlotCache, check_layout, slot_cache
+from eval.proposal import Proposal, Sampling
+from eval.proposers import Proposer
+from eval.slots import check_layout, last_valid, pad_rows, slot_cache
 from eval.stats import DecodeStats, KController
 from eval.target_model import cache_kwarg, native_gqa
-from eval.verify import verify_chain_batch
-
-
-def pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """Ragged token rows -> right-padded ``(B, T)`` ids (0 as padding) and their valid mask."""
-    t = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), t, dtype=torch.long)
-    valid = torch.zeros(len(rows), t, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-        valid[i, :len(r)] = True
-    return ids.to(device), valid.to(device)
-
-
-def last_valid(x: Tensor, valid: Tensor) -> Tensor:
-    """``x (B, T, ...)`` at each row's last valid position -> ``(B, ...)``."""
-    idx = valid.long().sum(1) - 1
-    return x[torch.arange(x.shape[0], device=x.device), idx.to(x.device)]
+from eval.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
 
 
 class BatchTarget:
@@ -74,16 +60,21 @@ class BatchTarget:
         self.slots = slot_cache(self.layout, self.model.config, batch, self.device)
 
     @torch.inference_mode()
-    def feed(self, ids: Tensor, valid: Tensor,
-             last_only: bool = False) -> tuple[Tensor, Tensor]:
-        """Feed ``ids (B, T)`` (padding where ``valid`` is False).
+    def feed(self, ids: Tensor, valid: Tensor, last_only: bool = False,
+             tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Feed ``ids (B, T)`` (padding where ``valid`` is False); a token tree when ``tree`` is
+        ``(ancestors (B, T, T), depth (B, T))``: a node sees the committed slots, its ancestors
+        in the block and itself, at position (committed tokens + depth) (padded layout).
 
         Returns:
             ``logits (B, T, V)`` float32 (``(B, V)`` at each row's last valid token when
             ``last_only``: a prefill needs no more) and the features ``(B, T, H)`` (final-norm
             hidden state), or ``(B, T, L * H)`` the requested layers side by side.
         """
-        mask, pos = self.slots.open(valid)
+        if tree is None:
+            mask, pos = self.slots.open(valid)
+        else:
+            mask, pos = self.slots.open_tree(valid, tree[0], tree[1], self.slots.width)
         fed = self.slots.pack(ids, valid)
         # native GQA as in eval.target_model, for multi-token blocks only: on one-token steps of
         # a batch it measured slower than transformers' KV copy (115 vs 153 tokens/s, B = 16)
@@ -99,168 +90,14 @@ class BatchTarget:
         return logits, hidden
 
 
-class BatchDrafter(ABC):
-    """A batched chain drafter built from a batch-one proposer (its weights and draft
-    vocabulary); subclasses hold the per-row state.
-
-    ``start`` once per batch, ``propose`` a chain of ``k`` per row, ``commit`` the accepted
-    lengths, ``select`` the rows that stay.
-    """
-
-    def __init__(self, proposer: Proposer) -> None:
-        self.proposer = proposer
-        self.device = proposer.device
-        self.vocab_size = proposer.vocab_size
-
-    def _pick(self, logits: Tensor, sampling: Sampling,
-              generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-        """``logits (B, Vd)`` -> drafted target ids ``(B,)`` and ``q (B, V)`` (None: greedy,
-        point masses)."""
-        if sampling.greedy:
-            return self.proposer._to_target(logits.argmax(-1)), None
-        q = sampling.warp(logits)
-        on = q if generator is None else q.to(generator.device)
-        x = torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device)
-        return self.proposer._to_target(x), self.proposer._scatter_q(q)
-
-    @torch.inference_mode()
-    def propose(self, k: int, sampling: Sampling,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-        """A chain of ``k`` per row: drafts ``(B, k)`` (target ids) and their ``q``
-        ``(B, k, V)`` (None when greedy)."""
-        logits = self._first()
-        self.draft_start = self.slots.width
-        drafts, qs = [], []
-        for i in range(k):
-            x, q = self._pick(logits, sampling, generator)
-            drafts.append(x)
-            qs.append(q)
-            if i < k - 1:
-                logits = self._next(x)
-        return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
-
-    @abstractmethod
-    def _first(self) -> Tensor:
-        """Feed what each row has waiting; the logits ``(B, Vd)`` of its first draft."""
-
-    @abstractmethod
-    def _next(self, x: Tensor) -> Tensor:
-        """Feed the drafts ``x (B,)``; the logits ``(B, Vd)`` of the next ones."""
-
-    def _one(self, x: Tensor) -> Tensor:
-        """The valid mask ``(B, 1)`` of a one-token block."""
-        return torch.ones(len(x), 1, dtype=torch.bool, device=self.device)
-
-
-class BatchDraftLM(BatchDrafter):
-    """The draft LM of a :class:`~eval.proposers.DraftLMProposer`, batched: its cache holds each
-    row's committed tokens but the last few (``missing``), fed at the next proposal."""
-
-    def __init__(self, proposer: DraftLMProposer) -> None:
-        super().__init__(proposer)
-        self.model = proposer.model
-        self.decoder = self.model.get_decoder()
-        self._cache_kw = cache_kwarg(self.decoder)
-        self.head = (proposer._sub_head if proposer.d2t is not None
-                     else self.model.get_output_embeddings().weight)
-
-    def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
-        self.slots = SlotCache(self.model.config, len(tokens), self.device)
-        self.missing = [list(t) for t in tokens]
-
-    def _feed(self, ids: Tensor, valid: Tensor) -> Tensor:
-        mask, pos = self.slots.open(valid)
-        with native_gqa(self.device.type == "cpu" and ids.shape[1] > 1):
-            h = self.decoder(input_ids=ids, **{self._cache_kw: self.slots.cache}, use_cache=True,
-                             position_ids=pos, attention_mask=mask).last_hidden_state
-        logits = torch.nn.functional.linear(last_valid(h, valid), self.head).float()  # (B, Vd)
-        return logits if self.proposer.d2t is not None else fit_vocab(logits, self.vocab_size)
-
-    def _first(self) -> Tensor:
-        ids, valid = pad_rows(self.missing, self.device)
-        self.missing = [[] for _ in self.missing]
-        return self._feed(ids, valid)
-
-    def _next(self, x: Tensor) -> Tensor:
-        return self._feed(x.view(-1, 1), self._one(x))
-
-    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
-        """Row ``b`` accepted ``n[b]`` of its ``k`` drafts, then ``nxt[b]``."""
-        if k == 0:
-            for b, miss in enumerate(self.missing):
-                miss.append(int(nxt[b]))
-            return
-        fed = n.clamp_max(k - 1)  # drafts 1..k-1 were fed while drafting
-        self.slots.keep(self.draft_start, fed)
-        for b in range(len(self.missing)):
-            self.missing[b] = drafts[b, int(fed[b]):int(n[b])].tolist() + [int(nxt[b])]
-
-    def select(self, rows: Tensor) -> None:
-        self.slots.select(rows)
-        self.missing = [self.missing[i] for i in rows.tolist()]
-
-
-class BatchEagle(BatchDrafter):
-    """The head of an :class:`~eval.proposers_eagle.EagleProposer`, batched: its cache holds the
-    (true feature, next token) pairs of each row's committed tokens; pairs from the last
-    verification wait in ``pending`` until the next proposal feeds them."""
-
-    def __init__(self, proposer: EagleProposer) -> None:
-        super().__init__(proposer)
-        self.head = proposer.head
-        self.layer_ids = proposer.layer_ids
-
-    def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
-        """``features (B, T, kH)``: the target's prefill features of each row's prompt (its
-        first ``len(tokens[b]) - 1`` valid positions)."""
-        self.slots = SlotCache(self.head.config, len(tokens), self.device)
-        self.pending = [(features[b, :len(t) - 1], list(t[1:])) for b, t in enumerate(tokens)]
-
-    def _feed(self, feats: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
-        mask, pos = self.slots.open(valid)
-        return self.head(feats, ids, past_key_values=self.slots.cache, position_ids=pos,
-                         attention_mask=mask)
-
-    def _first(self) -> Tensor:
-        ids, valid = pad_rows([tok for _, tok in self.pending], self.device)
-        width = self.pending[0][0].shape[-1]
-        feats = torch.zeros(*ids.shape, width, dtype=self.pending[0][0].dtype,
-                            device=self.device)
-        for b, (f, _) in enumerate(self.pending):
-            feats[b, :f.shape[0]] = f.to(self.device)
-        self.pending = [(f[:0], []) for f, _ in self.pending]
-        self._last = last_valid(self._feed(feats, ids, valid), valid).unsqueeze(1)  # (B, 1, H)
-        return self._logits()
-
-    def _next(self, x: Tensor) -> Tensor:
-        self._last = self._feed(self._last, x.view(-1, 1), self._one(x))
-        return self._logits()
-
-    def _logits(self) -> Tensor:
-        return self.proposer._logits(self._last.contiguous())[:, -1]
-
-    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
-        """``features (B, k + 1, kH)``: the target's features of the verified block."""
-        if k > 0:  # drafted pairs carry predicted features: never kept
-            self.slots.keep(self.draft_start, torch.zeros_like(n))
-        for b, (f, tok) in enumerate(self.pending):
-            m = int(n[b])
-            self.pending[b] = (torch.cat([f, features[b, :m + 1].to(f.dtype)]),
-                               tok + drafts[b, :m].tolist() + [int(nxt[b])])
-
-    def select(self, rows: Tensor) -> None:
-        self.slots.select(rows)
-        self.pending = [self.pending[i] for i in rows.tolist()]
-
-
 class BatchDecoder:
     """Speculative decoding of a batch of prompts; lossless per row.
 
     Args:
         target: the target causal LM.
-        proposer: the draft (a chain :class:`~eval.proposers.DraftLMProposer` or
-            :class:`~eval.proposers_eagle.EagleProposer`), or a plain proposer.
-        k: draft length per step (0 = plain batched decoding).
+        proposer: the draft (a chain :class:`~eval.proposers.DraftLMProposer`, an
+            :class:`~eval.proposers_eagle.EagleProposer`, chain or tree), or a plain proposer.
+        k: draft length per step, the tree's depth for a tree (0 = plain batched decoding).
         fallback: per-row fallback to plain decoding (each row's own K controller).
         layout: the target's cache layout (:data:`eval.slots.LAYOUTS`): ``packed`` feeds only
             each row's real tokens (a fallen-back row adds one token to a verification),
@@ -273,6 +110,10 @@ class BatchDecoder:
             raise ValueError(f"k must be >= 0 (0 = plain decoding), got {k}")
         self.drafter = proposer.batched()
         self.k = k if self.drafter is not None else 0
+        self.tree = bool(getattr(proposer, "tree", False)) and self.drafter is not None
+        if self.tree and check_layout(layout) != "padded":
+            raise ValueError(f"layout={layout}: batched trees use the padded layout (a tree "
+                             "needs its own attention mask per row); use layout=padded")
         self.target = BatchTarget(target, proposer.layer_ids, check_layout(layout))
         self.fallback = fallback
         self.lossless = proposer.lossless
@@ -329,50 +170,124 @@ class BatchDecoder:
                 st.draft_time_s += time.perf_counter() - t0
         rows, pending = self._leave(rows, done, first, stats, t_start)
         while rows:
-            # 1. propose: each row its own K (0 = fallen back), the batch drafts the longest
+            # 1.-2. propose (each row its own K, 0 = fallen back) and verify in one block
             ks = torch.tensor([min(ctrls[r].next_k(), max_new_tokens - len(generated[r]) - 1)
                                for r in rows])
-            k = int(ks.max())
-            t0 = time.perf_counter()
-            if k > 0:
-                drafts, q = self.drafter.propose(k, sampling, generator)
-            else:
-                drafts, q = torch.zeros(len(rows), 0, dtype=torch.long, device=dev), None
-            t1 = time.perf_counter()
-            # 2. verify: pending + drafts per row in one block; padding beyond each row's K
-            start = self.target.slots.width
-            block = torch.cat([pending.view(-1, 1).to(dev), drafts.to(dev)], dim=1)
-            real = torch.arange(k + 1, device=dev) <= ks.to(dev).unsqueeze(1)
-            logits, feats = self.target.feed(block, real)
-            n, nxt = self._verify(logits, q, drafts.to(dev), ks.to(dev), sampling, generator)
-            self.target.slots.keep(start, n + 1)
-            t2 = time.perf_counter()
-            if self.drafter is not None:
-                self.drafter.commit(k, n, drafts, nxt, feats)
-            t3 = time.perf_counter()
+            step = self._tree_step if self.tree else self._chain_step
+            new, nodes, depths, nxt, t_draft, t_verify = step(ks, pending, sampling, generator)
             # 3. commit under each row's stop rules; 4. record; 5. rows that finished leave
             done = []
             for i, r in enumerate(rows):
-                new = drafts[i, :int(n[i])].tolist() + [int(nxt[i])]
                 fin = False
-                for tok in new:
+                for tok in new[i]:
                     fin = stoppers[r].push(generated[r], tok)
                     if fin:
                         break
                 done.append(fin)
-                kr = int(ks[i])
+                depth, n = depths[i], len(new[i]) - 1
                 st = stats[r]
-                st.record_step(kr, int(n[i]))
+                st.record_step(depth, n)
                 st.target_forwards += 1
-                st.draft_time_s += (t1 - t0) + (t3 - t2)
-                st.verify_time_s += t2 - t1
-                if kr:
-                    ctrls[r].record(kr, kr, int(n[i]), len(new), (t1 - t0) + (t3 - t2), t2 - t1)
-                elif k == 0:  # a plain step of the whole batch (a row's padding costs the same)
-                    ctrls[r].record_plain(t3 - t0)
+                st.draft_time_s += t_draft
+                st.verify_time_s += t_verify
+                if depth:
+                    ctrls[r].tree = self.tree
+                    ctrls[r].record(depth, nodes[i], n, len(new[i]), t_draft, t_verify)
+                elif int(ks.max()) == 0:  # a plain step of the batch (padding costs the same)
+                    ctrls[r].record_plain(t_draft + t_verify)
             rows, pending = self._leave(rows, done, nxt, stats, t_start)
         return [DecodeResult(generated[i], self._final(stats[i], stoppers[i], generated[i]))
                 for i in range(b)]
+
+    def _chain_step(self, ks: Tensor, pending: Tensor, sampling: Sampling,
+                    generator: torch.Generator | None
+                    ) -> tuple[list[list[int]], list[int], list[int], Tensor, float, float]:
+        """One step of chains: the batch drafts its longest K, each row's block is its pending
+        token and its ``ks[b]`` drafts (padding after). Returns each row's new tokens (accepted
+        drafts, then the next token), its drafted nodes and their depth, the next tokens
+        ``(B,)`` and the step's draft and verify seconds."""
+        dev = self.target.device
+        k = int(ks.max())
+        t0 = time.perf_counter()
+        if k > 0:
+            drafts, q = self.drafter.propose(k, sampling, generator)
+        else:
+            drafts, q = torch.zeros(len(ks), 0, dtype=torch.long, device=dev), None
+        t1 = time.perf_counter()
+        start = self.target.slots.width
+        block = torch.cat([pending.view(-1, 1).to(dev), drafts.to(dev)], dim=1)
+        real = torch.arange(k + 1, device=dev) <= ks.to(dev).unsqueeze(1)
+        logits, feats = self.target.feed(block, real)
+        n, nxt = self._verify(logits, q, drafts.to(dev), ks.to(dev), sampling, generator)
+        self.target.slots.keep(start, n + 1)
+        t2 = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.commit(k, n, drafts, nxt, feats)
+        t3 = time.perf_counter()
+        new = [drafts[i, :int(n[i])].tolist() + [int(nxt[i])] for i in range(len(ks))]
+        return new, ks.tolist(), ks.tolist(), nxt, (t1 - t0) + (t3 - t2), t2 - t1
+
+    def _tree_step(self, ks: Tensor, pending: Tensor, sampling: Sampling,
+                   generator: torch.Generator | None
+                   ) -> tuple[list[list[int]], list[int], list[int], Tensor, float, float]:
+        """One step of EAGLE-2 dynamic trees (``ks[b]``: the depth, 0 = fallen back): each row's
+        block is its pending token and its tree (padding after), verified by the rules of batch
+        one; the target and the head keep each row's accepted path. Returns as
+        :meth:`_chain_step`."""
+        dev = self.target.device
+        b, k = len(ks), int(ks.max())
+        t0 = time.perf_counter()
+        props = (self.drafter.propose_tree(ks.tolist(), sampling, generator) if k > 0
+                 else [Proposal.empty()] * b)
+        t1 = time.perf_counter()
+        sizes = [len(pr) if int(ks[i]) > 0 else 0 for i, pr in enumerate(props)]
+        n = max(sizes)
+        ids = torch.zeros(b, n + 1, dtype=torch.long)
+        ids[:, 0] = pending.cpu()
+        valid = torch.arange(n + 1) <= torch.tensor(sizes).unsqueeze(1)
+        ancestors = torch.eye(n + 1, dtype=torch.bool).repeat(b, 1, 1)  # (B, N+1, N+1)
+        depth = torch.zeros(b, n + 1, dtype=torch.long)
+        for i, (pr, m) in enumerate(zip(props, sizes)):
+            ids[i, 1:m + 1] = pr.tokens[:m]
+            for j, par in enumerate(pr.parents[:m].tolist()):  # parents come first
+                ancestors[i, j + 1] |= ancestors[i, par + 1]
+                depth[i, j + 1] = depth[i, par + 1] + 1
+        start = self.target.slots.width
+        logits, feats = self.target.feed(ids.to(dev), valid.to(dev),
+                                         tree=(ancestors.to(dev), depth.to(dev)))
+        new, rows = [], []
+        keep = torch.zeros(b, n + 1, dtype=torch.bool)
+        keep[:, 0] = True
+        for i, (path, nxt) in enumerate(self._verify_trees(logits, props, sizes, sampling,
+                                                           generator)):
+            keep[i, [j + 1 for j in path]] = True
+            rows.append([0] + [j + 1 for j in path])
+            new.append([int(props[i].tokens[j]) for j in path] + [int(nxt)])
+        self.target.slots.keep_mask(start, keep.to(dev))
+        t2 = time.perf_counter()
+        self.drafter.commit_rows(k > 0, rows, new, feats)
+        t3 = time.perf_counter()
+        nxt = torch.tensor([x[-1] for x in new], device=dev)
+        depths = [int(pr.depth().max()) if m else 0 for pr, m in zip(props, sizes)]
+        return new, sizes, depths, nxt, (t1 - t0) + (t3 - t2), t2 - t1
+
+    @staticmethod
+    def _verify_trees(logits: Tensor, props: list[Proposal], sizes: list[int],
+                      sampling: Sampling, generator: torch.Generator | None) -> list[Verified]:
+        """Each row's tree (its first ``sizes[b]`` nodes) verified by the batch-one rules
+        (:func:`~eval.verify.verify_greedy`, :func:`~eval.verify.verify_tree`) on its rows of
+        ``logits (B, N + 1, V)``."""
+        best = logits.argmax(-1).cpu() if sampling.greedy else None
+        out = []
+        for i, (pr, m) in enumerate(zip(props, sizes)):
+            tokens, parents = pr.tokens[:m], pr.parents[:m]
+            if best is not None:
+                out.append(verify_greedy(best[i, :m + 1], tokens, parents))
+                continue
+            p = sampling.warp(logits[i, :m + 1])
+            q = None if pr.q is None or m == 0 else pr.q[:m].to(p.device)
+            out.append(verify_tree(p, q, tokens.to(p.device), parents.to(p.device), generator))
+        return out
 
     @staticmethod
     def _final(st: DecodeStats, stopper: _Stopper, generated: list[int]) -> DecodeStats:

@@ -79,8 +79,9 @@ def _validate(cfg: DictConfig) -> None:
     batch = integer("batch_size", cfg.get("batch_size", 1), "an integer >= 1")
     if batch < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch}")
-    if batch > 1 and str(cfg.tree) == "tree":
-        raise ValueError("batch_size > 1 decodes chains: use tree=chain (or auto)")
+    if batch > 1 and str(cfg.tree) == "tree" and str(cfg.get("batch_layout")) == "packed":
+        raise ValueError("batched trees use batch_layout=padded (each row its own tree mask); "
+                         "use batch_layout=padded or tree=chain")
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
     check_layout(str(cfg.get("batch_layout", "padded")), "batch_layout")
@@ -100,8 +101,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     """
     _validate(cfg)
     batch_size = int(cfg.get("batch_size") or 1)
-    if batch_size > 1:
-        cfg.tree = "chain"  # auto: batches decode chains
+    if batch_size > 1 and str(cfg.tree) != "tree":
+        cfg.tree = "chain"  # auto: batches decode chains (trees when asked: EAGLE heads)
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer

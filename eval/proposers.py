@@ -72,7 +72,8 @@ class Proposer:
 
     def _no_batched_trees(self) -> None:
         if getattr(self, "tree", False):
-            raise ValueError("batched decoding drafts chains: use tree=chain with batch_size > 1")
+            raise ValueError(f"batched decoding drafts trees with the EAGLE head only: use "
+                             f"tree=chain for the {self.kind!r} draft with batch_size > 1")
 
 
 class PlainProposer(Proposer):
@@ -230,7 +231,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     def batched(self) -> Any:
-        from eval.batch import BatchDraftLM
+        from eval.batch_drafters import BatchDraftLM
 
         self._no_batched_trees()
         return BatchDraftLM(self)

@@ -78,9 +78,8 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self._pending_tokens: list[int] = []
 
     def batched(self) -> object:
-        from eval.batch import BatchEagle
+        from eval.batch_drafters import BatchEagle
 
-        self._no_batched_trees()
         return BatchEagle(self)
 
     def _features(self, out: TargetOutput) -> torch.Tensor:

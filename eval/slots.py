@@ -14,10 +14,16 @@ keys were written). Two layouts share that interface:
   then spans every row's slots (masked), which grows with the batch: the layout for small
   batches, as measured by ``scripts/bench_batch.py``.
 
+A block of tree nodes (:meth:`SlotCache.open_tree`, padded layout only) comes with its own
+attention mask (each node its ancestors and itself, no causal order) and depths as positions;
+:meth:`SlotCache.keep_mask` then keeps each row's accepted path.
+
 Both take and return ``(B, T)`` blocks: :meth:`pack` turns the ids of a block into what the
 model is fed and :meth:`unpack` its outputs back into ``(B, T, ...)`` (zeros at padding).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -64,6 +70,27 @@ class SlotCache:
         mask = torch.cat([past, block], dim=-1).unsqueeze(1)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         return mask, pos
+
+    def open_tree(self, new_valid: Tensor, tail: Tensor, offset: Tensor,
+                  start: int) -> tuple[Tensor, Tensor]:
+        """Append a block of tree nodes (``new_valid (B, T)``, padding where False). A node
+        sees its row's valid slots before ``start``, and from ``start`` on (the slots fed since,
+        then the block) exactly what ``tail (B, T, width - start + T)`` marks: its fed
+        ancestors and itself (a padding node: itself alone). Its position id is the row's valid
+        slots before ``start`` plus ``offset (B, T)`` (its depth below them).
+
+        Returns the attention mask ``(B, 1, T, width + T)`` and position ids ``(B, T)``."""
+        b, t = new_valid.shape
+        head = self.valid[:, :start]
+        mask = torch.cat([head.unsqueeze(1).expand(b, t, start), tail], dim=-1).unsqueeze(1)
+        pos = head.sum(1, keepdim=True) + offset
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        return mask, pos
+
+    def keep_mask(self, start: int, keep: Tensor) -> None:
+        """Of the slots from ``start`` on, row ``b`` keeps those marked in ``keep (B, width -
+        start)`` (a tree's accepted path)."""
+        self.valid[:, start:] &= keep
 
     @staticmethod
     def pack(x: Tensor, valid: Tensor) -> Tensor:
@@ -183,6 +210,24 @@ class PackedSlotCache:
                 layer.keys = layer.keys[:, :, idx.to(layer.keys.device)]
                 layer.values = layer.values[:, :, idx.to(layer.values.device)]
         self.owner = self.owner[idx]
+
+
+def pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ragged token rows -> right-padded ``(B, T)`` ids (0 as padding) and their valid mask."""
+    t = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    valid = torch.zeros(len(rows), t, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        valid[i, :len(r)] = True
+    return ids.to(device), valid.to(device)
+
+
+def last_valid(x: Tensor, valid: Tensor) -> Tensor:
+    """``x (B, T, ...)`` at each row's last valid position -> ``(B, ...)``."""
+    idx = valid.long().sum(1) - 1
+    return x[torch.arange(x.shape[0], device=x.device), idx.to(x.device)]
+
 
 
 def check_layout(layout: str, name: str = "layout") -> str:

@@ -143,11 +143,15 @@ class DynamicTree:
                 need.append(node)
         return need
 
-    def proposal(self, total: int) -> Proposal:
+    def proposal(self, total: int, max_depth: int | None = None) -> Proposal:
         """At most ``total`` nodes: the best first (ties: shallower first), each with what it
         requires (:meth:`_needed`) where that still fits, in the order of :meth:`_order` (kept in
-        ``self.kept``). Top-k trees need nothing extra (a node scores below its ancestors)."""
-        order = sorted(range(len(self.tokens)), key=lambda j: (-self.scores[j], self.depths[j], j))
+        ``self.kept``). Top-k trees need nothing extra (a node scores below its ancestors).
+        ``max_depth``: only nodes that deep or shallower (the proposal a tree drafted to that
+        depth makes: deeper nodes change nothing above them)."""
+        order = sorted((j for j in range(len(self.tokens))
+                        if max_depth is None or self.depths[j] <= max_depth),
+                       key=lambda j: (-self.scores[j], self.depths[j], j))
         keep: set[int] = set()
         for j in order:  # best first, each with what it needs, while the budget holds
             if len(keep) >= total:

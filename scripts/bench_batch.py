@@ -13,6 +13,10 @@ speedup, 0 when none beats plain decoding; the *crossover* is the smallest B wit
 ``speculation.json["batch"]`` of each draft package (re-signed with the local key), where
 ``eval/decode.py batch_size=B`` reads its K.
 
+``tree=true`` adds the EAGLE head's dynamic tree at the package's measured shape (depth and
+nodes of its tree record; ``tree_shapes=[[depth, nodes], ...]`` for others), each row its own
+tree, to the table (not to K*: batches decode chains unless ``tree=tree`` is asked for).
+
 Heterogeneous rows: one batch of a well-drafted prompt and a row whose drafts are always wrong
 (every draft token shifted by one id: a useless draft for that row alone, at the same cost),
 against each good row decoded alone at the same K. Writes ``results.json``, ``results.md`` and
@@ -116,6 +120,7 @@ def run(cfg: DictConfig) -> dict:
     if min(sizes) < 1 or min(ks) < 1:
         raise ValueError(f"batch_sizes and ks must be >= 1, got {sizes}, {ks}")
     check_sampling(cfg.temperature)
+    shapes = tree_shapes(cfg)
     good_rows = integer("mixed.good_rows", cfg.mixed.good_rows, "an integer >= 1")
     if cfg.mixed.enabled and good_rows < 1:
         raise ValueError(f"mixed.good_rows={good_rows}: the heterogeneous-row test needs at least "
@@ -151,8 +156,18 @@ def run(cfg: DictConfig) -> dict:
         proposers[fam] = build_proposer(pkg, settle(chain, pkg), loaded,
                                         int(model.config.vocab_size), cfg.device, cfg.dtype)
     plain = BatchDecoder(model, PlainProposer(), k=0)
-    decs = {(fam, k): BatchDecoder(model, p, k=k, fallback=False)
+    decs = {f"{fam} K={k}": BatchDecoder(model, p, k=k, fallback=False)
             for fam, p in proposers.items() for k in ks}
+    if cfg.get("tree") and "eagle" in drafts:  # EAGLE-2 trees, each row its own
+        pkg = load_draft(drafts["eagle"], loaded)
+        for shape in shapes:  # the package's measured shape, or the shapes given
+            over = {"tree": "tree"} if shape is None else {"tree": "tree", "k": shape[0],
+                                                           "tree_size": shape[1]}
+            plan = settle(OmegaConf.merge(chain, over), pkg)
+            tree = build_proposer(pkg, plan, loaded, int(model.config.vocab_size), cfg.device,
+                                  cfg.dtype)
+            decs[f"eagle tree ({plan.k} deep, {plan.tree_size} nodes)"] = BatchDecoder(
+                model, tree, k=plan.k, fallback=False)
 
     def ours(dec: BatchDecoder, prompts: list[list[int]], seed: int) -> tuple[int, float]:
         res, wall = timed(lambda: dec.generate(prompts, max_new, temp, eos_token_id=eos,
@@ -174,9 +189,9 @@ def run(cfg: DictConfig) -> dict:
             if cfg.hf_generate and temp == 0:
                 n_hf, w_hf = timed(lambda p=prompts: hf_batched(model, tok, p, max_new, eos))
                 got["transformers generate"] = n_hf / w_hf
-            for (fam, k), dec in decs.items():
+            for label, dec in decs.items():
                 n, w = ours(dec, prompts, rnd)
-                got[f"{fam} K={k}"] = n / w
+                got[label] = n / w
             n, w = ours(plain, prompts, rnd)
             base.append(n / w)
             mean = statistics.fmean(base)
@@ -224,6 +239,23 @@ def run(cfg: DictConfig) -> dict:
             update_package_json(path, "speculation.json", spec)
             note(f"wrote the batch record into {path}/speculation.json")
     return res
+
+
+def tree_shapes(cfg: DictConfig) -> list[tuple[int, int] | None]:
+    """``tree_shapes`` as ``(depth, nodes)`` pairs; ``[None]`` (the package's measured tree)
+    when null. A bad entry is refused naming the form."""
+    if cfg.get("tree_shapes") is None:
+        return [None]
+    shapes = []
+    for s in cfg.tree_shapes:
+        ok = (not isinstance(s, (str, int)) and len(s) == 2
+              and all(isinstance(x, int) and x >= 1 for x in s))
+        if not ok:
+            raise ValueError(f"tree_shapes entry {s!r}: each is [depth, nodes], both integers "
+                             '>= 1, e.g. "tree_shapes=[[4,16],[2,4]]"; or null for the '
+                             "package's measured tree")
+        shapes.append((int(s[0]), int(s[1])))
+    return shapes
 
 
 def mixed_k(cfg: DictConfig, rows: list[dict], ks: list[int], fam: str) -> tuple[int, int]:

@@ -159,10 +159,54 @@ def test_batched_decoding_compacts_without_changing_outputs(target_model, layout
         assert dec.target.slots.width <= 2 * len(BATCH_PROMPTS) * longest + 16 + 7 * 4
 
 
-def test_chains_of_trees_are_refused(target_model):
+def test_draft_lm_trees_and_packed_trees_are_refused(target_model):
     tree = DraftLMProposer(copy.deepcopy(target_model), VOCAB, tree=True)
-    with pytest.raises(ValueError, match="tree=chain"):
+    with pytest.raises(ValueError, match="tree=chain for the 'lm-tree' draft"):
         BatchDecoder(target_model, tree)
+    with pytest.raises(ValueError, match="batched trees use the padded layout"):
+        BatchDecoder(target_model, EagleProposer(make("eagle", target_model).head, VOCAB,
+                                                 tree=True), layout="packed")
+
+
+def test_slot_cache_tree_masks_positions_and_path_keep():
+    slots = SlotCache(tiny_llama(seed=0, vocab=VOCAB).config, 2, torch.device("cpu"))
+    slots.open(torch.tensor([[True, True], [True, False]]))  # committed: 2 and 1 tokens
+    # a root and two children of it; row 1 has the root only (its other slots are padding)
+    anc = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [0, 1, 0], [0, 0, 1]]])
+    valid = torch.tensor([[True, True, True], [True, False, False]])
+    mask, pos = slots.open_tree(valid, anc.bool(), torch.tensor([[0, 1, 1], [0, 0, 0]]), 2)
+    assert pos.tolist() == [[2, 3, 3], [1, 1, 1]]  # siblings share a position
+    assert mask[0, 0].tolist() == [[True, True, True, False, False],
+                                   [True, True, True, True, False],
+                                   [True, True, True, False, True]]
+    assert mask[1, 0, 0].tolist() == [True, False, True, False, False]
+    slots.keep_mask(2, torch.tensor([[True, False, True], [True, False, False]]))
+    assert slots.lengths().tolist() == [4, 2]  # row 0 kept the root and its second child
+    mask, pos = slots.open(torch.tensor([[True], [True]]))
+    assert pos.tolist() == [[4], [2]]
+    assert mask[0, 0, 0].tolist() == [True, True, True, False, True, True]
+
+
+TREE_PROMPTS = [[1, 0, 1], [0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 1, 0, 1, 1], [0]]
+
+
+def test_greedy_tree_rows_equal_batch_one_decoding():
+    # EAGLE-2 dynamic trees per row (depth 3, 10 nodes), prompts of four lengths: each row is
+    # its batch-one decoding, token for token and path for path, and the trees are accepted deep
+    model = _binary_llama(seed=1)
+    proposer = _deep_proposer("eagle-tree", model)
+    single = SpeculativeDecoder(model, proposer, k=3, adaptive=False, fallback=False)
+    got = BatchDecoder(model, proposer, k=3, fallback=False).generate(TREE_PROMPTS, 20)
+    for prompt, res in zip(TREE_PROMPTS, got):
+        alone = single.generate(prompt, max_new_tokens=20)
+        assert res.output_ids == alone.output_ids == hf_greedy(model, prompt, 20, None)
+        assert res.stats.accepted_at == alone.stats.accepted_at
+        assert res.stats.spec_steps == alone.stats.spec_steps
+    assert min(r.stats.accepted_at[2] for r in got) >= 3  # depth 3 accepted, every row
+    # with per-row fallback on (each row's controller told it drafts trees), still the target's
+    for prompt, res in zip(TREE_PROMPTS, BatchDecoder(model, proposer, k=3).generate(
+            TREE_PROMPTS, 20)):
+        assert res.output_ids == hf_greedy(model, prompt, 20, None)
 
 
 # ----- sampling: rows of different prompts in one batch, each from the target's distribution
@@ -174,7 +218,15 @@ def _batch_p_values(kind: str, setting: dict, swap_counts: bool = False,
                     layout: str = "padded") -> list[float]:
     model = _binary_llama(seed=1)
     dec = BatchDecoder(model, _deep_proposer(kind, model), k=3, fallback=False, layout=layout)
-    if swap_counts:  # the twin: each row is given its neighbour's accepted count
+    if swap_counts and dec.tree:  # the twin: each row is given its neighbour's accepted path
+        verify_trees = dec._verify_trees
+
+        def swapped_paths(logits, props, sizes, *args):
+            got = verify_trees(logits, props, sizes, *args)
+            return [([j for j in got[i - 1].path if j < sizes[i]], nxt)
+                    for i, (_, nxt) in enumerate(got)]
+        dec._verify_trees = swapped_paths
+    elif swap_counts:  # the twin: each row is given its neighbour's accepted count
         verify = dec._verify
 
         def swapped(*args, **kw):
@@ -206,26 +258,31 @@ def _deep_exact_for(model, prompt: list[int], setting: dict) -> torch.Tensor:
         exact.DEEP_PROMPT = old
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+# (kind, layout): chains in both layouts; EAGLE-2 trees (children drawn without replacement,
+# and the top-k's point masses) in the padded one, the layout batched trees use
+BATCH_KINDS = [("lm-chain", "padded"), ("lm-chain", "packed"), ("eagle-chain", "padded"),
+               ("eagle-chain", "packed"), ("eagle-tree", "padded"), ("eagle-tree-topk", "padded")]
+
+
 @pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
-@pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"])
+@pytest.mark.parametrize(("kind", "layout"), BATCH_KINDS)
 def test_batched_rows_sample_exactly(kind, setting, layout):
     assert min(_batch_p_values(kind, setting, layout=layout)) > 0.01
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"])
+@pytest.mark.parametrize(("kind", "layout"), BATCH_KINDS)
 def test_twin_another_rows_accepted_count_fails(kind, layout):
     # the test above (every prompt p > 0.01) fails: some prompt is far off
     assert min(_batch_p_values(kind, DEEP_SETTINGS[1], swap_counts=True, layout=layout)) < 1e-3
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_batched_rows_equal_batch_one_on_the_real_target(real_target, layout):
+@pytest.mark.parametrize(("layout", "tree"), [("padded", "chain"), ("packed", "chain"),
+                                              ("padded", "tree")])
+def test_batched_rows_equal_batch_one_on_the_real_target(real_target, layout, tree):
     # the released EAGLE-3 head (fused layers, 8,192-id draft vocabulary) on the real target,
-    # fp32: each row of a batch of prompts of different lengths is, token for token and
-    # acceptance for acceptance, its batch-one decoding
+    # fp32, chains and EAGLE-2 trees (16 nodes): each row of a batch of prompts of different
+    # lengths is, token for token and acceptance for acceptance, its batch-one decoding
     from pathlib import Path
 
     from eval.draft import build_proposer, load_draft, settle
@@ -234,7 +291,7 @@ def test_batched_rows_equal_batch_one_on_the_real_target(real_target, layout):
     model = copy.deepcopy(real_target.model).float().eval()
     pkg = load_draft(Path(__file__).resolve().parents[2] / "releases/eagle3-smollm2-135m",
                      real_target)
-    plan = settle({"k": 3, "tree": "chain", "tree_topk": 8, "tree_size": None,
+    plan = settle({"k": 3, "tree": tree, "tree_topk": 8, "tree_size": 16,
                    "medusa_branching": None, "draft_vocab": None, "device": "cpu",
                    "dtype": "float32"}, pkg, measured=False)
     eagle = build_proposer(pkg, plan, real_target, int(model.config.vocab_size))

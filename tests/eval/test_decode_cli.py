@@ -319,11 +319,26 @@ def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, t
     assert (got["k"], got["k_source"]) == (2, "speculation.json (batch 2)")
 
 
+def test_batched_eagle_trees_decode_like_batch_one(decode_setup):
+    path, _ = draft_package(decode_setup, "eagle")
+    opts = ("k=3", "limit=3", "fallback=false", "tree=tree", "tree_size=8", "tree_topk=3")
+    alone = _decode(decode_setup, path, *opts, "adaptive_k=false")
+    batched = _decode(decode_setup, path, *opts, "batch_size=2")
+    assert batched["summary"]["tree"] is True and batched["summary"]["tree_size"] == 8
+    assert [s["output_ids"] for s in batched["samples"]] == [
+        s["output_ids"] for s in alone["samples"]]
+    assert [(s["tau"], s["target_forwards"]) for s in batched["samples"]] == [
+        (s["tau"], s["target_forwards"]) for s in alone["samples"]]
+
+
 def test_bad_batch_settings_are_refused(decode_setup):
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         _decode(decode_setup, decode_setup["lm"], "batch_size=0")
-    with pytest.raises(ValueError, match="tree=chain"):
+    with pytest.raises(ValueError, match="tree=chain for the 'lm-tree' draft"):
         _decode(decode_setup, decode_setup["lm"], "batch_size=2", "tree=tree")
+    with pytest.raises(ValueError, match="batched trees use batch_layout=padded"):
+        _decode(decode_setup, decode_setup["lm"], "batch_size=2", "tree=tree",
+                "batch_layout=packed")
     with pytest.raises(ValueError, match="time_budget_s is per request"):
         _decode(decode_setup, decode_setup["lm"], "batch_size=2", "time_budget_s=5")
     with pytest.raises(ValueError, match="batch_layout=ragged: use one of padded, packed"):

@@ -22,11 +22,12 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
         "questions": str(decode_setup["questions"]), "batch_sizes": [1, 2], "ks": [1, 2],
         "max_new_tokens": 6, "repeats": 1, "lm": str(lm), "eagle": str(eagle),
-        "mixed": {"good_rows": 1, "k": "auto"}, "write": True,
+        "mixed": {"good_rows": 1, "k": "auto"}, "write": True, "tree_shapes": [[2, 4]],
         "target_path": str(decode_setup["target"]), "dtype": "float32",
         "out_dir": str(tmp_path / "out")})
     res = bench_batch.run(cfg)
-    methods = {"plain", "transformers generate", "lm K=1", "lm K=2", "eagle K=1", "eagle K=2"}
+    methods = {"plain", "transformers generate", "lm K=1", "lm K=2", "eagle K=1", "eagle K=2",
+               "eagle tree (2 deep, 4 nodes)"}  # tree=true at the shapes given
     for r in res["rows"]:
         assert set(r["tokens_per_s"]) == methods and min(r["tokens_per_s"].values()) > 0
         assert set(r["speedup"]) == methods - {"plain"}
@@ -66,6 +67,7 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     ({"mixed": {"k": 0}}, "mixed.k must be auto or an integer >= 1"),
     ({"batch_sizes": [1, 4]}, "need 4"),
     ({"mixed": {"good_rows": 0}}, "at least one good row"),
+    ({"tree_shapes": [[4, 16], [2]]}, r"tree_shapes entry \[2\]: each is \[depth, nodes\]"),
 ])
 def test_bench_batch_refuses_more_rows_than_questions(decode_setup, tmp_path, change, message):
     cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {

@@ -1,0 +1,234 @@
+"""Batched drafters for :mod:`eval.batch`: the draft LM's and the EAGLE head's chains for every
+row of a batch at once, and the EAGLE head's dynamic trees (one tree per row).
+
+Each is built from a batch-one proposer (its weights and draft vocabulary) and keeps its own
+:class:`~eval.slots.SlotCache` with each row's committed tokens; drafted slots are dropped after
+every verification, and what each row committed is fed at its next proposal.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from eval.proposal import Proposal, Sampling
+from eval.proposers import DraftLMProposer, Proposer, fit_vocab
+from eval.proposers_eagle import EagleProposer
+from eval.slots import SlotCache, last_valid, pad_rows
+from eval.target_model import cache_kwarg, native_gqa
+from eval.tree import DynamicTree
+
+
+class BatchDrafter(ABC):
+    """A batched chain drafter built from a batch-one proposer (its weights and draft
+    vocabulary); subclasses hold the per-row state.
+
+    ``start`` once per batch, ``propose`` a chain of ``k`` per row, ``commit`` the accepted
+    lengths, ``select`` the rows that stay.
+    """
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.device = proposer.device
+        self.vocab_size = proposer.vocab_size
+
+    def _pick(self, logits: Tensor, sampling: Sampling,
+              generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+        """``logits (B, Vd)`` -> drafted target ids ``(B,)`` and ``q (B, V)`` (None: greedy,
+        point masses)."""
+        if sampling.greedy:
+            return self.proposer._to_target(logits.argmax(-1)), None
+        q = sampling.warp(logits)
+        on = q if generator is None else q.to(generator.device)
+        x = torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device)
+        return self.proposer._to_target(x), self.proposer._scatter_q(q)
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+        """A chain of ``k`` per row: drafts ``(B, k)`` (target ids) and their ``q``
+        ``(B, k, V)`` (None when greedy)."""
+        logits = self._first()
+        self.draft_start = self.slots.width
+        drafts, qs = [], []
+        for i in range(k):
+            x, q = self._pick(logits, sampling, generator)
+            drafts.append(x)
+            qs.append(q)
+            if i < k - 1:
+                logits = self._next(x)
+        return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
+
+    @abstractmethod
+    def _first(self) -> Tensor:
+        """Feed what each row has waiting; the logits ``(B, Vd)`` of its first draft."""
+
+    @abstractmethod
+    def _next(self, x: Tensor) -> Tensor:
+        """Feed the drafts ``x (B,)``; the logits ``(B, Vd)`` of the next ones."""
+
+    def _one(self, x: Tensor) -> Tensor:
+        """The valid mask ``(B, 1)`` of a one-token block."""
+        return torch.ones(len(x), 1, dtype=torch.bool, device=self.device)
+
+
+class BatchDraftLM(BatchDrafter):
+    """The draft LM of a :class:`~eval.proposers.DraftLMProposer`, batched: its cache holds each
+    row's committed tokens but the last few (``missing``), fed at the next proposal."""
+
+    def __init__(self, proposer: DraftLMProposer) -> None:
+        super().__init__(proposer)
+        self.model = proposer.model
+        self.decoder = self.model.get_decoder()
+        self._cache_kw = cache_kwarg(self.decoder)
+        self.head = (proposer._sub_head if proposer.d2t is not None
+                     else self.model.get_output_embeddings().weight)
+
+    def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
+        self.slots = SlotCache(self.model.config, len(tokens), self.device)
+        self.missing = [list(t) for t in tokens]
+
+    def _feed(self, ids: Tensor, valid: Tensor) -> Tensor:
+        mask, pos = self.slots.open(valid)
+        with native_gqa(self.device.type == "cpu" and ids.shape[1] > 1):
+            h = self.decoder(input_ids=ids, **{self._cache_kw: self.slots.cache}, use_cache=True,
+                             position_ids=pos, attention_mask=mask).last_hidden_state
+        logits = torch.nn.functional.linear(last_valid(h, valid), self.head).float()  # (B, Vd)
+        return logits if self.proposer.d2t is not None else fit_vocab(logits, self.vocab_size)
+
+    def _first(self) -> Tensor:
+        ids, valid = pad_rows(self.missing, self.device)
+        self.missing = [[] for _ in self.missing]
+        return self._feed(ids, valid)
+
+    def _next(self, x: Tensor) -> Tensor:
+        return self._feed(x.view(-1, 1), self._one(x))
+
+    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
+        """Row ``b`` accepted ``n[b]`` of its ``k`` drafts, then ``nxt[b]``."""
+        if k == 0:
+            for b, miss in enumerate(self.missing):
+                miss.append(int(nxt[b]))
+            return
+        fed = n.clamp_max(k - 1)  # drafts 1..k-1 were fed while drafting
+        self.slots.keep(self.draft_start, fed)
+        for b in range(len(self.missing)):
+            self.missing[b] = drafts[b, int(fed[b]):int(n[b])].tolist() + [int(nxt[b])]
+
+    def select(self, rows: Tensor) -> None:
+        self.slots.select(rows)
+        self.missing = [self.missing[i] for i in rows.tolist()]
+
+
+class BatchEagle(BatchDrafter):
+    """The head of an :class:`~eval.proposers_eagle.EagleProposer`, batched: its cache holds the
+    (true feature, next token) pairs of each row's committed tokens; pairs from the last
+    verification wait in ``pending`` until the next proposal feeds them."""
+
+    def __init__(self, proposer: EagleProposer) -> None:
+        super().__init__(proposer)
+        self.head = proposer.head
+        self.layer_ids = proposer.layer_ids
+
+    def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
+        """``features (B, T, kH)``: the target's prefill features of each row's prompt (its
+        first ``len(tokens[b]) - 1`` valid positions)."""
+        self.slots = SlotCache(self.head.config, len(tokens), self.device)
+        self.pending = [(features[b, :len(t) - 1], list(t[1:])) for b, t in enumerate(tokens)]
+
+    def _feed(self, feats: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+        mask, pos = self.slots.open(valid)
+        return self.head(feats, ids, past_key_values=self.slots.cache, position_ids=pos,
+                         attention_mask=mask)
+
+    def _first(self) -> Tensor:
+        ids, valid = pad_rows([tok for _, tok in self.pending], self.device)
+        width = self.pending[0][0].shape[-1]
+        feats = torch.zeros(*ids.shape, width, dtype=self.pending[0][0].dtype,
+                            device=self.device)
+        for b, (f, _) in enumerate(self.pending):
+            feats[b, :f.shape[0]] = f.to(self.device)
+        self.pending = [(f[:0], []) for f, _ in self.pending]
+        self._last = last_valid(self._feed(feats, ids, valid), valid).unsqueeze(1)  # (B, 1, H)
+        return self._logits()
+
+    def _next(self, x: Tensor) -> Tensor:
+        self._last = self._feed(self._last, x.view(-1, 1), self._one(x))
+        return self._logits()
+
+    def _logits(self) -> Tensor:
+        return self.proposer._logits(self._last.contiguous())[:, -1]
+
+    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
+        """``features (B, k + 1, kH)``: the target's features of the verified block."""
+        self.commit_rows(k > 0, [list(range(int(m) + 1)) for m in n],
+                         [drafts[b, :int(m)].tolist() + [int(nxt[b])] for b, m in enumerate(n)],
+                         features)
+
+    def commit_rows(self, drafted: bool, rows: list[list[int]], tokens: list[list[int]],
+                    features: Tensor) -> None:
+        """Row ``b`` committed the block positions ``rows[b]`` (its pending token and accepted
+        drafts, whose target features ``features (B, T, kH)`` become true pairs), followed by
+        ``tokens[b]`` (the accepted drafts and the next token)."""
+        if drafted:  # drafted pairs carry predicted features: never kept
+            self.slots.keep(self.draft_start, torch.zeros(len(rows), dtype=torch.long,
+                                                          device=self.device))
+        for b, (f, tok) in enumerate(self.pending):
+            self.pending[b] = (torch.cat([f, features[b, rows[b]].to(f.dtype)]), tok + tokens[b])
+
+    @torch.inference_mode()
+    def propose_tree(self, depths: list[int], sampling: Sampling,
+                     generator: torch.Generator | None) -> list[Proposal]:
+        """An EAGLE-2 dynamic tree of depth ``depths[b]`` per row, built as batch one builds it
+        (:class:`~eval.tree.DynamicTree`, ``EagleProposer._propose_tree``): each further depth
+        feeds every row's best frontier nodes in one ``(B, topk)`` block, a node seeing its
+        row's committed pairs, its fed ancestors and itself; a row of a lesser depth proposes
+        from its tree's nodes down to that depth."""
+        p = self.proposer
+        depth = max(depths)
+        logits = self._first()
+        self.draft_start = self.slots.width
+        root = self._last[:, 0]  # (B, H)
+        trees = [DynamicTree(p.topk, p._to_target, sampling, generator, p._scatter_q,
+                             p.tree_draw) for _ in range(len(root))]
+        frontier = [t.add_children(-1, logits[b]) for b, t in enumerate(trees)]
+        hidden_of: list[dict[int, Tensor]] = [{} for _ in trees]
+        slot_of: list[dict[int, int]] = [{} for _ in trees]  # node -> slot after draft_start
+        fed = 0
+        for _ in range(2, depth + 1):
+            expand = [t.expand(f) for t, f in zip(trees, frontier)]
+            n = max(len(e) for e in expand)
+            ids = torch.zeros(len(trees), n, dtype=torch.long)
+            valid = torch.zeros(len(trees), n, dtype=torch.bool)
+            offset = torch.zeros(len(trees), n, dtype=torch.long)
+            tail = torch.zeros(len(trees), n, fed + n, dtype=torch.bool)
+            tail[:, :, fed:] = torch.eye(n, dtype=torch.bool)
+            feats = root.new_zeros(len(trees), n, root.shape[-1])
+            for b, (t, nodes) in enumerate(zip(trees, expand)):
+                for i, j in enumerate(nodes):
+                    par = t.parents[j]
+                    feats[b, i] = root[b] if par < 0 else hidden_of[b][par]
+                    ids[b, i], valid[b, i], offset[b, i] = t.tokens[j], True, t.depths[j] - 1
+                    while par >= 0:
+                        tail[b, i, slot_of[b][par]] = True
+                        par = t.parents[par]
+                    slot_of[b][j] = fed + i
+            mask, pos = self.slots.open_tree(valid.to(self.device), tail.to(self.device),
+                                             offset.to(self.device), self.draft_start)
+            out = self.head(feats, ids.to(self.device), past_key_values=self.slots.cache,
+                            position_ids=pos, attention_mask=mask)  # (B, n, H)
+            step_logits = self.proposer._logits(out)  # (B, n, Vd)
+            fed += n
+            frontier = []
+            for b, (t, nodes) in enumerate(zip(trees, expand)):
+                frontier.append([])
+                for i, j in enumerate(nodes):
+                    hidden_of[b][j] = out[b, i]
+                    frontier[-1].extend(t.add_children(j, step_logits[b, i]))
+        return [t.proposal(p.total_tokens, d) if d > 0 else Proposal.empty()
+                for t, d in zip(trees, depths)]
+
+    def select(self, rows: Tensor) -> None:
+        self.slots.select(rows)
+        self.pending = [self.pending[i] for i in rows.tolist()]
