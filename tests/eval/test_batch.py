@@ -276,6 +276,23 @@ def test_twin_another_rows_accepted_count_fails(kind, layout):
     assert min(_batch_p_values(kind, DEEP_SETTINGS[1], swap_counts=True, layout=layout)) < 1e-3
 
 
+def test_batched_trees_of_different_sizes_sample_exactly():
+    # top-p 0.8 leaves prompt B's nodes one child each and prompt A's two: the rows of a batch
+    # verify trees of different sizes (8 and 6 nodes); prompt A still samples the target's
+    # distribution (B's is a single sequence, nothing to test), and fails when paths are swapped
+    top_p = {"temperature": 1.0, "top_k": 0, "top_p": 0.8}
+    model = _binary_llama(seed=1)
+    dec = BatchDecoder(model, _deep_proposer("eagle-tree", model), k=3, fallback=False)
+    sizes: list[tuple[int, ...]] = []
+    verify_trees = dec._verify_trees
+    dec._verify_trees = lambda lg, props, n, *a: sizes.append(tuple(n)) or verify_trees(
+        lg, props, n, *a)
+    dec.generate([PROMPT_A, PROMPT_B], DEEP_NEW, seed=0, **top_p)
+    assert len(set(sizes[0])) == 2
+    assert _batch_p_values("eagle-tree", top_p)[0] > 0.01
+    assert _batch_p_values("eagle-tree", top_p, swap_counts=True)[0] < 1e-3
+
+
 @pytest.mark.real
 @pytest.mark.parametrize(("layout", "tree"), [("padded", "chain"), ("packed", "chain"),
                                               ("padded", "tree")])
