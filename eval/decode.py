@@ -101,8 +101,6 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     """
     _validate(cfg)
     batch_size = int(cfg.get("batch_size") or 1)
-    if batch_size > 1 and str(cfg.tree) != "tree":
-        cfg.tree = "chain"  # auto: batches decode chains (trees when asked: EAGLE heads)
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer

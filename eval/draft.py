@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -176,21 +176,56 @@ class Measured:
                                                   or self.tree.speedup > self.chain_speedup)
 
 
-def batch_k(speculation: Mapping | None, batch_size: int, dtype: str | None = None,
-            device: str | None = None) -> tuple[int, str] | None:
-    """K for decoding ``batch_size`` rows from ``speculation.json["batch"]``
-    (``scripts/bench_batch.py``): K* of the largest measured batch size up to ``batch_size``,
-    and the source; None when nothing was measured for this dtype and device type."""
+def _batch_record(speculation: Mapping | None, dtype: str | None,
+                  device: str | None) -> Mapping:
+    """``speculation.json["batch"]`` (``scripts/bench_batch.py``) when it was measured for this
+    dtype and device type, else ``{}``."""
     rec = (speculation or {}).get("batch") or {}
     if dtype is not None and rec.get("dtype") not in (None, dtype):
-        return None
+        return {}
     if device is not None and torch.device(str(rec.get("device", "cpu"))).type != torch.device(
             device).type:
+        return {}
+    return rec
+
+
+def _nearest_size(per_size: Mapping, batch_size: int) -> int | None:
+    """The largest measured batch size up to ``batch_size`` (None: none measured)."""
+    sizes = [int(b) for b in per_size or {} if int(b) <= batch_size]
+    return max(sizes) if sizes else None
+
+
+def batch_k(speculation: Mapping | None, batch_size: int, dtype: str | None = None,
+            device: str | None = None) -> tuple[int, str] | None:
+    """K for decoding ``batch_size`` rows from ``speculation.json["batch"]``: K* of the largest
+    measured batch size up to ``batch_size``, and the source; None when nothing was measured
+    for this dtype and device type."""
+    k_star = _batch_record(speculation, dtype, device).get("k_star") or {}
+    b = _nearest_size(k_star, batch_size)
+    return None if b is None else (int(k_star[str(b)]), f"speculation.json (batch {b})")
+
+
+class BatchTree(NamedTuple):
+    """The best EAGLE-2 tree measured at one batch size (``speculation.json["batch"]["tree"]``)
+    and whether it beat that size's best chain and plain decoding."""
+
+    depth: int
+    nodes: int
+    wins: bool
+    source: str
+
+
+def batch_tree(speculation: Mapping | None, batch_size: int, dtype: str | None = None,
+               device: str | None = None) -> BatchTree | None:
+    """The batched tree of the largest measured batch size up to ``batch_size``; None when no
+    tree was measured for this dtype and device type."""
+    trees = _batch_record(speculation, dtype, device).get("tree") or {}
+    b = _nearest_size(trees, batch_size)
+    if b is None:
         return None
-    sizes = [int(b) for b in rec.get("k_star") or {} if int(b) <= batch_size]
-    if not sizes:
-        return None
-    return int(rec["k_star"][str(max(sizes))]), f"speculation.json (batch {max(sizes)})"
+    t = trees[str(b)]
+    return BatchTree(int(t["depth"]), int(t["nodes"]), bool(t["wins"]),
+                     f"speculation.json (batch {b}, tree)")
 
 
 def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
@@ -241,6 +276,11 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     won = m.tree_won() if m is not None else None
     if mode is TreeMode.AUTO and family.tree is TreeKind.DYNAMIC and won is not None:
         use_tree = won
+    batch_size = int(cfg.get("batch_size") or 1)
+    b_tree = batch_tree(spec, batch_size, dtype, device) if batch_size > 1 else None
+    if batch_size > 1 and mode is TreeMode.AUTO:  # batches draft chains unless a tree won there
+        use_tree = (b_tree is not None and b_tree.wins
+                    and cfg.get("batch_layout", "padded") != "packed")  # trees: padded only
     tree_size = cfg.get("tree_size")
     branching = tuple(int(b) for b in (cfg.get("medusa_branching") or DEFAULT_MEDUSA_BRANCHING))
     from_tree = use_tree and m is not None and m.tree is not None
@@ -254,9 +294,11 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
                        _tagged(m_source, "tree"))
         if m.k_star == 0 and (m.tree.speedup or 0.0) < 1.0:
             k, k_source = 0, _tagged(m_source, f"K* = 0, best tree {m.tree.speedup or 0.0:.2f}x")
-    batch_size = int(cfg.get("batch_size") or 1)
     measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
-    if measured_k is not None and cfg.get("k") is None and not use_tree:
+    if use_tree and b_tree is not None:  # the best tree measured at this batch size
+        k, k_source = (b_tree.depth, b_tree.source) if cfg.get("k") is None else (k, k_source)
+        tree_size = b_tree.nodes if cfg.get("tree_size") is None else tree_size
+    elif measured_k is not None and cfg.get("k") is None and not use_tree:
         k, k_source = measured_k
     elif batch_size > 1 and cfg.get("k") is None:  # said, since K* falls as batches grow
         k_source += " (batch one's; no batch record: scripts/bench_batch.py write=true)"

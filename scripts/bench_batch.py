@@ -15,7 +15,8 @@ speedup, 0 when none beats plain decoding; the *crossover* is the smallest B wit
 
 ``tree=true`` adds the EAGLE head's dynamic tree at the package's measured shape (depth and
 nodes of its tree record; ``tree_shapes=[[depth, nodes], ...]`` for others), each row its own
-tree, to the table (not to K*: batches decode chains unless ``tree=tree`` is asked for).
+tree, to the table; the batch record keeps the best tree per batch size and whether it beat
+the best chain and plain decoding there (``eval/decode.py batch_size=B`` drafts it then).
 
 Heterogeneous rows: one batch of a well-drafted prompt and a row whose drafts are always wrong
 (every draft token shifted by one id: a useless draft for that row alone, at the same cost),
@@ -158,6 +159,7 @@ def run(cfg: DictConfig) -> dict:
     plain = BatchDecoder(model, PlainProposer(), k=0)
     decs = {f"{fam} K={k}": BatchDecoder(model, p, k=k, fallback=False)
             for fam, p in proposers.items() for k in ks}
+    trees: dict[str, tuple[int, int]] = {}  # label -> (depth, nodes)
     if cfg.get("tree") and "eagle" in drafts:  # EAGLE-2 trees, each row its own
         pkg = load_draft(drafts["eagle"], loaded)
         for shape in shapes:  # the package's measured shape, or the shapes given
@@ -166,8 +168,9 @@ def run(cfg: DictConfig) -> dict:
             plan = settle(OmegaConf.merge(chain, over), pkg)
             tree = build_proposer(pkg, plan, loaded, int(model.config.vocab_size), cfg.device,
                                   cfg.dtype)
-            decs[f"eagle tree ({plan.k} deep, {plan.tree_size} nodes)"] = BatchDecoder(
-                model, tree, k=plan.k, fallback=False)
+            label = f"eagle tree ({plan.k} deep, {plan.tree_size} nodes)"
+            decs[label] = BatchDecoder(model, tree, k=plan.k, fallback=False)
+            trees[label] = (plan.k, plan.tree_size)
 
     def ours(dec: BatchDecoder, prompts: list[list[int]], seed: int) -> tuple[int, float]:
         res, wall = timed(lambda: dec.generate(prompts, max_new, temp, eos_token_id=eos,
@@ -215,6 +218,8 @@ def run(cfg: DictConfig) -> dict:
                               "dtype": cfg.dtype, "device": str(cfg.device),
                               "max_new_tokens": max_new, "temperature": temp,
                               "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
+        if fam == "eagle" and trees:  # the best tree per batch size, and whether it won there
+            batch_records[fam]["tree"] = best_trees(rows, trees, ks)
     # the hostile row shifts its drafts but not their q: lossless only for greedy rows
     mixed_ks = ({fam: mixed_k(cfg, rows, ks, fam) for fam in proposers}
                 if cfg.mixed.enabled else {})
@@ -266,6 +271,21 @@ def mixed_k(cfg: DictConfig, rows: list[dict], ks: list[int], fam: str) -> tuple
         return int(cfg.mixed.k), int(cfg.mixed.k)
     by_b = {r["batch_size"]: r for r in rows}
     return best_k(by_b[1], fam, ks), best_k(by_b[int(cfg.mixed.good_rows) + 1], fam, ks)
+
+
+def best_trees(rows: list[dict], trees: dict[str, tuple[int, int]],
+               ks: list[int]) -> dict[str, dict]:
+    """Per batch size, the best of the measured ``trees`` (label -> depth, nodes) and whether it
+    beat the best EAGLE chain and plain decoding there (``eval/draft.py`` then drafts it with
+    ``tree=auto``)."""
+    out = {}
+    for r in rows:
+        label = max(trees, key=lambda m: r["speedup"][m])
+        sp = r["speedup"][label]
+        chain = r["speedup"][f"eagle K={best_k(r, 'eagle', ks)}"]
+        out[str(r["batch_size"])] = {"depth": trees[label][0], "nodes": trees[label][1],
+                                     "speedup": sp, "wins": sp > max(chain, 1.0)}
+    return out
 
 
 def best_k(row: dict, fam: str, ks: list[int]) -> int:
@@ -338,6 +358,10 @@ def write_markdown(res: dict, path: Path) -> None:
     for fam, rec in res["batch"].items():
         cross = rec["crossover"] if rec["crossover"] is not None else "beyond the sizes run"
         lines += ["", f"{fam}: K* per batch size {rec['k_star']}, crossover {cross}"]
+        for b, t in (rec.get("tree") or {}).items():
+            lines.append(f"- B = {b}: best tree {t['depth']} deep / {t['nodes']} nodes, "
+                         f"{t['speedup']:.2f}x, " + ("beats" if t["wins"] else "does not beat")
+                         + " the best chain and plain decoding")
     for m in res["mixed"]:
         clean = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_clean_batch"])
         alone = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_alone"])

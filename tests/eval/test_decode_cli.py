@@ -317,6 +317,28 @@ def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, t
         "batch": {"k_star": {"1": 3, "2": 2, "4": 1}}})
     got = _decode(decode_setup, pkg, "limit=3", "batch_size=3")["summary"]
     assert (got["k"], got["k_source"]) == (2, "speculation.json (batch 2)")
+    assert got["tree"] is False
+    if kind != "eagle":
+        return
+    # a batched tree measured to beat the chains at B = 2 is what tree=auto drafts there, at its
+    # shape; one that did not win leaves the chain; a packed batch keeps chains
+    tree = {"1": {"depth": 4, "nodes": 16, "speedup": 1.2, "wins": False},
+            "2": {"depth": 2, "nodes": 4, "speedup": 1.3, "wins": True}}
+    update_package_json(pkg, "speculation.json", {
+        "k_star": 3, "dtype": "float32", "hardware": {"device": "cpu"},
+        "batch": {"k_star": {"1": 3, "2": 2, "4": 1}, "tree": tree}})
+    got = _decode(decode_setup, pkg, "limit=3", "batch_size=3", "baseline=false")["summary"]
+    assert (got["tree"], got["k"], got["tree_size"]) == (True, 2, 4)
+    assert got["k_source"] == "speculation.json (batch 2, tree)"
+    got = _decode(decode_setup, pkg, "limit=3", "batch_size=3", "baseline=false",
+                  "batch_layout=packed")["summary"]
+    assert (got["tree"], got["k"]) == (False, 2)
+    tree["2"]["wins"] = False
+    update_package_json(pkg, "speculation.json", {
+        "k_star": 3, "dtype": "float32", "hardware": {"device": "cpu"},
+        "batch": {"k_star": {"1": 3, "2": 2, "4": 1}, "tree": tree}})
+    got = _decode(decode_setup, pkg, "limit=3", "batch_size=3", "baseline=false")["summary"]
+    assert (got["tree"], got["k"]) == (False, 2)
 
 
 def test_batched_eagle_trees_decode_like_batch_one(decode_setup):

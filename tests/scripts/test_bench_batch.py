@@ -39,6 +39,13 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
             assert rec["k_star"][str(r["batch_size"])] == (best if sp[best] > 1 else 0)
         zero = [int(b) for b, k in rec["k_star"].items() if k == 0]
         assert rec["crossover"] == (min(zero) if zero else None)
+    for r in res["rows"]:  # the tree record: the one tree run, and whether it beat the chains
+        tree = res["batch"]["eagle"]["tree"][str(r["batch_size"])]
+        sp = r["speedup"]["eagle tree (2 deep, 4 nodes)"]
+        best_chain = max(r["speedup"][f"eagle K={k}"] for k in (1, 2))
+        assert (tree["depth"], tree["nodes"], tree["speedup"]) == (2, 4, sp)
+        assert tree["wins"] == (sp > max(best_chain, 1.0))
+    assert "tree" not in res["batch"]["lm"]
     assert sorted((m["draft"], m["layout"]) for m in res["mixed"]) == [
         ("eagle", "packed"), ("eagle", "padded"), ("lm", "packed"), ("lm", "padded")]
     assert all(len(m["good_rows_vs_alone"]) == len(m["good_rows_vs_clean_batch"]) == 1
