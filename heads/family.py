@@ -52,6 +52,7 @@ class DraftFamily(abc.ABC):
         proposer: dotted path of its ``eval`` proposer class (``for_draft`` builds it).
         tree: how it drafts trees.
         tree_by_default: what ``tree=auto`` drafts when nothing was measured.
+        batched_tree: it drafts trees in batches too (``eval/decode.py batch_size=B tree=tree``).
         draft_vocab: it can draft over the most frequent target ids at decode time.
         hf_model: the module is a whole transformers causal LM (``save_pretrained``; it can be
             transformers' ``assistant_model``).
@@ -63,6 +64,7 @@ class DraftFamily(abc.ABC):
     proposer: ClassVar[str]
     tree: ClassVar[TreeKind] = TreeKind.DYNAMIC
     tree_by_default: ClassVar[bool] = False
+    batched_tree: ClassVar[bool] = False
     draft_vocab: ClassVar[bool] = False
     hf_model: ClassVar[bool] = False
     export_formats: ClassVar[tuple[str, ...]] = ()
@@ -275,6 +277,7 @@ class EagleFamily(DraftFamily):
     config_class = eagle.EagleConfig
     proposer = "eval.proposers_eagle.EagleProposer"
     tree_by_default = True
+    batched_tree = True
     draft_vocab = True
     export_formats = ("eagle", "eagle3", "speculators")
     distill_targets = staticmethod(eagle.distill_targets)

@@ -159,18 +159,18 @@ def run(cfg: DictConfig) -> dict:
     plain = BatchDecoder(model, PlainProposer(), k=0)
     decs = {f"{fam} K={k}": BatchDecoder(model, p, k=k, fallback=False)
             for fam, p in proposers.items() for k in ks}
-    trees: dict[str, tuple[int, int]] = {}  # label -> (depth, nodes)
-    if cfg.get("tree") and "eagle" in drafts:  # EAGLE-2 trees, each row its own
-        pkg = load_draft(drafts["eagle"], loaded)
+    trees: dict[str, dict[str, tuple[int, int]]] = {}  # family -> label -> (depth, nodes)
+    for fam in [f for f in drafts if cfg.get("tree") and FAMILIES[f].batched_tree]:
+        pkg = load_draft(drafts[fam], loaded)
         for shape in shapes:  # the package's measured shape, or the shapes given
             over = {"tree": "tree"} if shape is None else {"tree": "tree", "k": shape[0],
                                                            "tree_size": shape[1]}
             plan = settle(OmegaConf.merge(chain, over), pkg)
             tree = build_proposer(pkg, plan, loaded, int(model.config.vocab_size), cfg.device,
                                   cfg.dtype)
-            label = f"eagle tree ({plan.k} deep, {plan.tree_size} nodes)"
+            label = f"{fam} tree ({plan.k} deep, {plan.tree_size} nodes)"
             decs[label] = BatchDecoder(model, tree, k=plan.k, fallback=False)
-            trees[label] = (plan.k, plan.tree_size)
+            trees.setdefault(fam, {})[label] = (plan.k, plan.tree_size)
 
     def ours(dec: BatchDecoder, prompts: list[list[int]], seed: int) -> tuple[int, float]:
         res, wall = timed(lambda: dec.generate(prompts, max_new, temp, eos_token_id=eos,
@@ -218,8 +218,8 @@ def run(cfg: DictConfig) -> dict:
                               "dtype": cfg.dtype, "device": str(cfg.device),
                               "max_new_tokens": max_new, "temperature": temp,
                               "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
-        if fam == "eagle" and trees:  # the best tree per batch size, and whether it won there
-            batch_records[fam]["tree"] = best_trees(rows, trees, ks)
+        if fam in trees:  # the best tree per batch size, and whether it won there
+            batch_records[fam]["tree"] = best_trees(rows, fam, trees[fam], ks)
     # the hostile row shifts its drafts but not their q: lossless only for greedy rows
     mixed_ks = ({fam: mixed_k(cfg, rows, ks, fam) for fam in proposers}
                 if cfg.mixed.enabled else {})
@@ -273,16 +273,16 @@ def mixed_k(cfg: DictConfig, rows: list[dict], ks: list[int], fam: str) -> tuple
     return best_k(by_b[1], fam, ks), best_k(by_b[int(cfg.mixed.good_rows) + 1], fam, ks)
 
 
-def best_trees(rows: list[dict], trees: dict[str, tuple[int, int]],
+def best_trees(rows: list[dict], fam: str, trees: dict[str, tuple[int, int]],
                ks: list[int]) -> dict[str, dict]:
-    """Per batch size, the best of the measured ``trees`` (label -> depth, nodes) and whether it
-    beat the best EAGLE chain and plain decoding there (``eval/draft.py`` then drafts it with
-    ``tree=auto``)."""
+    """Per batch size, the best of ``fam``'s measured ``trees`` (label -> depth, nodes) and
+    whether it beat ``fam``'s best chain and plain decoding there (``eval/draft.py`` then
+    drafts it with ``tree=auto``)."""
     out = {}
     for r in rows:
         label = max(trees, key=lambda m: r["speedup"][m])
         sp = r["speedup"][label]
-        chain = r["speedup"][f"eagle K={best_k(r, 'eagle', ks)}"]
+        chain = r["speedup"][f"{fam} K={best_k(r, fam, ks)}"]
         out[str(r["batch_size"])] = {"depth": trees[label][0], "nodes": trees[label][1],
                                      "speedup": sp, "wins": sp > max(chain, 1.0)}
     return out
