@@ -33,7 +33,7 @@ from eval.proposal import Proposal, Sampling
 from eval.proposers import Proposer
 from eval.slots import check_layout, last_valid, pad_rows, slot_cache
 from eval.stats import DecodeStats, KController
-from eval.target_model import cache_kwarg, native_gqa
+from eval.target_model import cache_kwarg, native_gqa, tree_ancestor_mask
 from eval.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
 
 
@@ -149,6 +149,8 @@ class BatchDecoder:
         generated: list[list[int]] = [[] for _ in range(b)]
         stats = [DecodeStats() for _ in range(b)]
         ctrls = [KController(self.k, adaptive=False, fallback=self.fallback) for _ in range(b)]
+        for ctrl in ctrls:
+            ctrl.tree = self.tree
         t_start = time.perf_counter()
         dev = self.target.device
 
@@ -191,7 +193,6 @@ class BatchDecoder:
                 st.draft_time_s += t_draft
                 st.verify_time_s += t_verify
                 if depth:
-                    ctrls[r].tree = self.tree
                     ctrls[r].record(depth, nodes[i], n, len(new[i]), t_draft, t_verify)
                 elif int(ks.max()) == 0:  # a plain step of the batch (padding costs the same)
                     ctrls[r].record_plain(t_draft + t_verify)
@@ -246,12 +247,11 @@ class BatchDecoder:
         ids[:, 0] = pending.cpu()
         valid = torch.arange(n + 1) <= torch.tensor(sizes).unsqueeze(1)
         ancestors = torch.eye(n + 1, dtype=torch.bool).repeat(b, 1, 1)  # (B, N+1, N+1)
-        depth = torch.zeros(b, n + 1, dtype=torch.long)
-        for i, (pr, m) in enumerate(zip(props, sizes)):
+        for i, (pr, m) in enumerate(zip(props, sizes)):  # the pending token is each tree's root
             ids[i, 1:m + 1] = pr.tokens[:m]
-            for j, par in enumerate(pr.parents[:m].tolist()):  # parents come first
-                ancestors[i, j + 1] |= ancestors[i, par + 1]
-                depth[i, j + 1] = depth[i, par + 1] + 1
+            ancestors[i, :m + 1, :m + 1] = tree_ancestor_mask(
+                torch.cat([torch.tensor([-1]), pr.parents[:m] + 1]))
+        depth = ancestors.sum(-1) - 1  # (B, N+1): 0 at the root and at padding
         start = self.target.slots.width
         logits, feats = self.target.feed(ids.to(dev), valid.to(dev),
                                          tree=(ancestors.to(dev), depth.to(dev)))
@@ -268,8 +268,7 @@ class BatchDecoder:
         self.drafter.commit_rows(k > 0, rows, new, feats)
         t3 = time.perf_counter()
         nxt = torch.tensor([x[-1] for x in new], device=dev)
-        depths = [int(pr.depth().max()) if m else 0 for pr, m in zip(props, sizes)]
-        return new, sizes, depths, nxt, (t1 - t0) + (t3 - t2), t2 - t1
+        return new, sizes, depth.max(1).values.tolist(), nxt, (t1 - t0) + (t3 - t2), t2 - t1
 
     @staticmethod
     def _verify_trees(logits: Tensor, props: list[Proposal], sizes: list[int],

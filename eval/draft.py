@@ -296,8 +296,10 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
             k, k_source = 0, _tagged(m_source, f"K* = 0, best tree {m.tree.speedup or 0.0:.2f}x")
     measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
     if use_tree and b_tree is not None:  # the best tree measured at this batch size
-        k, k_source = (b_tree.depth, b_tree.source) if cfg.get("k") is None else (k, k_source)
-        tree_size = b_tree.nodes if cfg.get("tree_size") is None else tree_size
+        if cfg.get("k") is None:
+            k, k_source = b_tree.depth, b_tree.source
+        if cfg.get("tree_size") is None:
+            tree_size = b_tree.nodes
     elif measured_k is not None and cfg.get("k") is None and not use_tree:
         k, k_source = measured_k
     elif batch_size > 1 and cfg.get("k") is None:  # said, since K* falls as batches grow

@@ -151,9 +151,9 @@ def run(cfg: DictConfig) -> dict:
     max_new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
     chain = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
                             {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
-    proposers = {}
+    proposers, pkgs = {}, {}
     for fam, path in drafts.items():
-        pkg = load_draft(path, loaded)
+        pkg = pkgs[fam] = load_draft(path, loaded)
         proposers[fam] = build_proposer(pkg, settle(chain, pkg), loaded,
                                         int(model.config.vocab_size), cfg.device, cfg.dtype)
     plain = BatchDecoder(model, PlainProposer(), k=0)
@@ -161,7 +161,7 @@ def run(cfg: DictConfig) -> dict:
             for fam, p in proposers.items() for k in ks}
     trees: dict[str, dict[str, tuple[int, int]]] = {}  # family -> label -> (depth, nodes)
     for fam in [f for f in drafts if cfg.get("tree") and FAMILIES[f].batched_tree]:
-        pkg = load_draft(drafts[fam], loaded)
+        pkg = pkgs[fam]
         for shape in shapes:  # the package's measured shape, or the shapes given
             over = {"tree": "tree"} if shape is None else {"tree": "tree", "k": shape[0],
                                                            "tree_size": shape[1]}
