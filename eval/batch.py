@@ -33,8 +33,15 @@ from eval.proposal import Proposal, Sampling
 from eval.proposers import Proposer
 from eval.slots import check_layout, last_valid, pad_rows, slot_cache
 from eval.stats import DecodeStats, KController
-from eval.target_model import cache_kwarg, native_gqa, tree_ancestor_mask
+from eval.target_model import (
+    cache_kwarg,
+    native_gqa,
+    sliding_window,
+    target_logits,
+    tree_ancestor_mask,
+)
 from eval.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
+from heads.draft_config import text_config
 
 
 class BatchTarget:
@@ -54,6 +61,7 @@ class BatchTarget:
         self.layout = layout
         self.device = next(model.parameters()).device
         self._cache_kw = cache_kwarg(model.model)
+        self._softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
         self.slots = None
 
     def start(self, batch: int) -> None:
@@ -83,7 +91,8 @@ class BatchTarget:
                                    use_cache=True, position_ids=pos, attention_mask=mask,
                                    output_hidden_states=bool(self.layer_ids))
         hidden = self.slots.unpack(out.last_hidden_state, valid)
-        logits = self.model.lm_head(last_valid(hidden, valid) if last_only else hidden).float()
+        logits = target_logits(self.model, last_valid(hidden, valid) if last_only else hidden,
+                               self._softcap).float()
         if self.layer_ids:
             hidden = torch.cat([self.slots.unpack(out.hidden_states[i], valid)
                                 for i in self.layer_ids], dim=-1)
@@ -143,6 +152,15 @@ class BatchDecoder:
                 generator.manual_seed(seed)
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int)
                                                else list(eos_token_id))
+        window = sliding_window(self.target.model.config)
+        longest = max(len(p) for p in prompts) + max_new_tokens + self.k + 1
+        if window is not None and longest > window:
+            raise ValueError(
+                f"batched decoding of this target's sliding-window layers (window {window}) "
+                f"covers sequences up to {window} tokens, but prompts of up to "
+                f"{max(len(p) for p in prompts)} tokens + max_new_tokens={max_new_tokens} reach "
+                f"{longest}: a batch row's cache slots are not its positions, so a window cannot "
+                "be masked there. Decode these prompts at batch_size=1, or shorten them")
         b = len(prompts)
         rows = list(range(b))  # live rows -> prompt index
         stoppers = [_Stopper(eos, stop_sequences, max_new_tokens) for _ in range(b)]

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from eval.proposal import DecodeContext, Proposal
-from eval.target_model import TargetOutput, cache_kwarg, native_gqa
+from eval.target_model import TargetOutput, cache_kwarg, layer_masks, native_gqa, new_cache
 from eval.tree import DynamicTree
 
 
@@ -240,6 +240,10 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         """Feed ``ids`` after the cache; ``(T', V')`` logits over the drafted ids (the target
         vocabulary, or ``d2t``), ``T' = 1`` when ``last_only``."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, T)
+        if kwargs.get("attention_mask") is not None:  # a tree block: windows for windowed layers
+            kwargs["attention_mask"] = layer_masks(self.model.config, kwargs["attention_mask"],
+                                                   kwargs.get("position_ids"), self._cached(),
+                                                   self.model.dtype)
         with native_gqa(self.device.type == "cpu" and x.shape[1] > 1):
             if self.d2t is None:
                 out = self.model(input_ids=x, **{self._cache_kw: self.cache}, use_cache=True,
@@ -255,7 +259,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         return self._forward(ids, last_only=True)[-1]  # (V',) after the last token
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache()
         self._base = None
         self._fed_drafts = 0
 

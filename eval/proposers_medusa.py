@@ -33,9 +33,13 @@ class MedusaProposer(Proposer):
     so each node's ``q`` is a point mass and verification stays lossless.
 
     Args:
-        heads: module with ``forward(hidden (B, T, H)) -> logits (B, T, N_heads, V)``.
+        heads: module with ``forward(hidden (B, T, H)) -> logits (B, T, N_heads, V)``; heads
+            sharing the target's LM head (``lm_head="shared"``) must have it attached.
         vocab_size: the target's vocabulary size.
         choices: tree paths as rank tuples (see :func:`medusa_choices`); default ``(4, 2, 2, 1)``.
+
+    Raises:
+        ValueError: the heads share the target's LM head and it is not attached.
     """
 
     kind = "medusa"
@@ -51,6 +55,10 @@ class MedusaProposer(Proposer):
 
     def __init__(self, heads: nn.Module, vocab_size: int,
                  choices: Sequence[tuple[int, ...]] | None = None) -> None:
+        if not getattr(heads, "target_attached", True):
+            raise ValueError("these Medusa heads share the target's LM head, which is not "
+                             "attached: load the draft with its target (load_package(..., "
+                             "target=...)) or call heads.attach_target(target_model)")
         self.heads = heads
         self.vocab_size = vocab_size
         choices = list(choices) if choices is not None else medusa_choices((4, 2, 2, 1))

@@ -43,14 +43,17 @@ class Sampling:
 
 def open_target(cfg: Mapping[str, Any], loaded: Any = None) -> Any:
     """The ``LoadedTarget`` of ``cfg.target_path`` (or the packaged default) in ``cfg.dtype`` on
-    ``cfg.device``, eval mode; ``loaded`` (already loaded) is moved there instead."""
+    ``cfg.device``, eval mode; ``loaded`` (already loaded) is moved there instead. Its chat format
+    is ``cfg.chat_template`` when the config has the key (as ``target.chat_template`` in
+    training: null = the tokenizer's own, or the plain format for a base model)."""
     from data.target import load_target
 
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     dtype = getattr(torch, cfg["dtype"])
     if loaded is None:
-        loaded = load_target(cfg.get("target_path") or cfg.get("target") or None, dtype=dtype)
+        loaded = load_target(cfg.get("target_path") or cfg.get("target") or None, dtype=dtype,
+                             chat_template=cfg.get("chat_template"))
     loaded.model.to(device=cfg["device"], dtype=dtype).eval()
     return loaded
 
@@ -65,7 +68,9 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """One user turn through the chat template, with the assistant's generation prompt."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the target's tokenizer has no chat template: prompts are chat turns "
-                         "and need one (save the tokenizer with its chat_template)")
+                         "and need one (load the target with data.target.load_target, which "
+                         "gives a base model the plain format, or save the tokenizer with its "
+                         "chat_template)")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+
+from eval.target_model import new_cache
 
 LAYOUTS = ("padded", "packed")
 
@@ -43,7 +44,7 @@ class SlotCache:
     """
 
     def __init__(self, config: object, batch: int, device: torch.device) -> None:
-        self.cache = DynamicCache(config=config)
+        self.cache = new_cache()
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
     @property
@@ -141,7 +142,7 @@ class PackedSlotCache:
     blocks of the ``N`` real tokens (row by row, in order)."""
 
     def __init__(self, config: object, batch: int, device: torch.device) -> None:
-        self.cache = DynamicCache(config=config)
+        self.cache = new_cache()
         self.batch = batch
         self.owner = torch.zeros(0, dtype=torch.long, device=device)
 

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from data.target import FORCE_GQA_ENV, native_gqa  # noqa: F401 (FORCE_GQA_ENV: tests)
+from heads.draft_config import check_attention_layers, text_config
 
 
 @dataclass
@@ -42,14 +43,25 @@ class TargetOutput:
 class Target:
     """A HF causal LM with a :class:`~transformers.DynamicCache`, batch size one.
 
+    Any standard transformers causal LM works through its own attention and cache classes:
+    Llama, Qwen 2/3, Mistral, Phi-3, Gemma 2/3 (sliding-window and full-attention layers, scaled
+    embeddings, final logit soft-capping), tied or untied LM heads. Every cache layer keeps all
+    positions (:func:`new_cache`), so a crop or a path keep is a plain index operation;
+    sliding-window layers get their window from the attention mask (:func:`layer_masks`).
+
     Args:
-        model: an eval-mode causal LM (e.g. ``LlamaForCausalLM``) exposing ``model.model`` (the
-            decoder stack returning ``last_hidden_state``) and ``model.lm_head``.
+        model: an eval-mode causal LM exposing ``model.model`` (the decoder stack returning
+            ``last_hidden_state``) and its output embeddings (the LM head).
         layer_ids: extra hidden-state layer ids to return (``hidden_states[i]``), e.g. for heads
             that fuse several target layers.
+
+    Raises:
+        UnsupportedTargetError: the model has layers whose state cannot be rolled back
+            (recurrent, chunked attention) or no decoder stack / LM head.
     """
 
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int] = ()) -> None:
+        check_target_structure(model)
         n_layers = model.config.num_hidden_layers
         bad = [i for i in layer_ids if not 0 <= i <= n_layers]
         if bad:
@@ -61,6 +73,7 @@ class Target:
         self.cache: DynamicCache | None = None
         self.forwards = 0
         self._cache_kw = cache_kwarg(model.model)
+        self._softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
 
     @property
     def vocab_size(self) -> int:
@@ -73,7 +86,7 @@ class Target:
 
     def reset(self) -> None:
         """Drop the cache (start of a new request)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache()
         self.forwards = 0
 
     @torch.inference_mode()
@@ -83,12 +96,15 @@ class Target:
             self.reset()
         ids = ids.to(self.device).long().view(1, -1)  # (1, T)
         want_layers = bool(self.layer_ids)
+        if attention_mask is not None:
+            attention_mask = layer_masks(self.model.config, attention_mask, position_ids,
+                                         self.seq_len, self.model.dtype)
         with native_gqa(self.device.type == "cpu" and ids.shape[1] > 1):
             out = self.model.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True,
                                    position_ids=position_ids, attention_mask=attention_mask,
                                    output_hidden_states=want_layers)
         hidden = out.last_hidden_state  # (1, T, H), final-norm output
-        logits = self.model.lm_head(hidden)  # (1, T, V)
+        logits = target_logits(self.model, hidden, self._softcap)  # (1, T, V)
         layers = None
         if want_layers:
             layers = torch.stack([out.hidden_states[i][0] for i in self.layer_ids])  # (L, T, H)
@@ -170,6 +186,97 @@ class Target:
                 for t in (layer.keys, layer.values):  # (B, heads, T, d)
                     t[:, :, dst_idx] = t[:, :, src_idx]
         self.crop(n_prefix + len(src))
+
+
+def new_cache() -> DynamicCache:
+    """A cache whose every layer keeps all positions, sliding-window layers included, so that
+    index ``i`` of every layer holds position ``i`` of the committed sequence and crops and path
+    keeps are index operations; windows are applied by the attention masks instead (a
+    sliding-window layer of transformers' own cache drops old entries and cannot be cropped)."""
+    return DynamicCache()
+
+
+def check_target_structure(model: torch.nn.Module) -> None:
+    """Refuse, when the target loads, a structure the decoder cannot drive (with the reason)."""
+    from heads.draft_config import UnsupportedTargetError
+
+    check_attention_layers(model.config)
+    if getattr(model, "model", None) is None or model.get_output_embeddings() is None:
+        raise UnsupportedTargetError(
+            f"the target {type(model).__name__} exposes no decoder stack (.model) or LM head "
+            "(get_output_embeddings()); draftsmith needs a transformers *ForCausalLM model")
+
+
+def target_logits(model: torch.nn.Module, hidden: torch.Tensor,
+                  softcap: float | None = None) -> torch.Tensor:
+    """The target's next-token logits from its final-norm hidden states ``(..., H)``: its LM
+    head, then the final soft-capping ``cap * tanh(logits / cap)`` where the model has one
+    (Gemma 2), exactly as its own ``forward`` computes them."""
+    logits = model.get_output_embeddings()(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def sliding_window(config) -> int | None:
+    """The window of the model's sliding-window layers, or None when it has none."""
+    tc = text_config(config)
+    window = getattr(tc, "sliding_window", None)
+    types = getattr(tc, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if types is None and getattr(tc, "use_sliding_window", True) is False:
+        return None
+    return int(window) if window else None
+
+
+def layer_masks(config, allowed: torch.Tensor, position_ids: torch.Tensor | None,
+                past: int, dtype: torch.dtype = torch.float32
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask(s) to pass a model for a custom (tree) mask over a :func:`new_cache`.
+
+    ``allowed`` is what full-attention layers see; sliding-window layers also drop cached keys
+    at least ``window`` positions behind the query (what transformers' own masks do: key ``i``
+    is seen from position ``p`` iff ``i > p - window``). Cached key ``i`` holds position ``i``;
+    the block's own keys are the query's ancestors, a few positions back, inside any window.
+
+    Args:
+        config: the model's config.
+        allowed: ``(B, 1, q, past + q)`` bool, True = attend.
+        position_ids: ``(B, q)`` positions of the queries (None: ``past + arange(q)``).
+        past: cached tokens before the block.
+        dtype: the model's dtype (eager attention adds the mask to its scores: it gets an
+            additive mask of this dtype; SDPA takes the boolean one).
+
+    Returns:
+        ``allowed`` itself for models without sliding-window layers; for models whose layers
+        are all windowed (Mistral, Phi-3 with ``sliding_window``) the windowed mask; for models
+        with ``layer_types`` a dict ``{layer type: mask}`` (their forward's mask mapping).
+    """
+    if allowed.dtype != torch.bool:
+        return allowed
+    if getattr(config, "_attn_implementation", None) == "eager":
+        from heads.blocks import additive_mask
+
+        def cast(m: torch.Tensor) -> torch.Tensor:
+            return additive_mask(m, dtype)
+    else:
+        def cast(m: torch.Tensor) -> torch.Tensor:
+            return m
+    window = sliding_window(config)
+    if window is None:
+        return cast(allowed)
+    q = allowed.shape[-2]
+    if position_ids is None:
+        position_ids = (torch.arange(q, device=allowed.device) + past).view(1, -1)
+    key = torch.arange(allowed.shape[-1], device=allowed.device)  # (kv,)
+    inside = (key[None, None, :] > position_ids[:, :, None].to(allowed.device) - window) \
+        | (key >= past)[None, None, :]  # (B, q, kv)
+    windowed = allowed & inside[:, None]
+    types = getattr(text_config(config), "layer_types", None)
+    if not types:
+        return cast(windowed)
+    return {t: cast(windowed if t == "sliding_attention" else allowed) for t in set(types)}
 
 
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

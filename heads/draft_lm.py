@@ -1,7 +1,11 @@
 """Draft family 1: a small causal LM sharing the target's vocabulary and tokenizer.
 
-The draft is a plain ``LlamaForCausalLM`` so that it saves with ``save_pretrained``, loads with
-``AutoModelForCausalLM`` and can serve as a transformers ``assistant_model``.
+The draft is a transformers causal LM of the target's own architecture (a ``LlamaForCausalLM``
+for a Llama target, a ``Gemma3ForCausalLM`` for Gemma 3, ...) with fewer layers, built from a
+config derived from the target's (``heads.draft_config.draft_model_config``), so that target layers
+can seed it, it saves with ``save_pretrained``, loads with ``AutoModelForCausalLM`` and can serve
+as a transformers ``assistant_model``; the package names its class (``config.json``'s
+``architectures``).
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from heads.blocks import (
     DistillTarget,
@@ -21,6 +25,7 @@ from heads.blocks import (
     teacher_mask,
     teacher_rows,
 )
+from heads.draft_config import draft_model_config, text_config
 
 INIT_CHOICES = ("random", "target")
 
@@ -39,6 +44,8 @@ class DraftLMConfig:
             ``init_layers``, final norm and LM head from the target; sizes must match).
         init_layers: target layer indices copied into draft layers 0..num_layers-1 when
             ``init="target"``; empty means evenly spaced from the first to the last layer.
+        head_dim: attention head width; None = the target's when the widths are the target's,
+            else ``hidden_size // num_heads``.
     """
 
     num_layers: int = 2
@@ -48,6 +55,7 @@ class DraftLMConfig:
     num_kv_heads: int = 3
     init: str = "target"
     init_layers: list[int] = field(default_factory=list)
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads"):
@@ -55,7 +63,7 @@ class DraftLMConfig:
                 raise ValueError(f"DraftLMConfig.{key} must be >= 1, got {getattr(self, key)}")
         if self.init not in INIT_CHOICES:
             raise ValueError(f"DraftLMConfig.init must be one of {INIT_CHOICES}, got {self.init!r}")
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"DraftLMConfig.hidden_size ({self.hidden_size}) must be divisible "
                              f"by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
@@ -79,12 +87,14 @@ class DraftLMConfig:
         return cls(**d)
 
     @classmethod
-    def matching(cls, target_config: LlamaConfig, num_layers: int, **kw: Any) -> DraftLMConfig:
+    def matching(cls, target_config: Any, num_layers: int, **kw: Any) -> DraftLMConfig:
         """A config with the target's widths and ``num_layers`` layers (so target init works)."""
-        return cls(num_layers=num_layers, hidden_size=target_config.hidden_size,
-                   intermediate_size=target_config.intermediate_size,
-                   num_heads=target_config.num_attention_heads,
-                   num_kv_heads=target_config.num_key_value_heads, **kw)
+        tc = text_config(target_config)
+        heads = tc.num_attention_heads
+        kw.setdefault("head_dim", getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+        return cls(num_layers=num_layers, hidden_size=tc.hidden_size,
+                   intermediate_size=tc.intermediate_size, num_heads=heads,
+                   num_kv_heads=getattr(tc, "num_key_value_heads", None) or heads, **kw)
 
 
 def default_init_layers(num_draft: int, num_target: int) -> list[int]:
@@ -94,27 +104,24 @@ def default_init_layers(num_draft: int, num_target: int) -> list[int]:
     return [round(i * (num_target - 1) / (num_draft - 1)) for i in range(num_draft)]
 
 
-def draft_llama_config(cfg: DraftLMConfig, target_config: LlamaConfig) -> LlamaConfig:
-    """The draft's ``LlamaConfig``: the target's vocabulary, RoPE and special ids, draft sizes."""
-    dc = copy.deepcopy(target_config)
-    dc.num_hidden_layers = cfg.num_layers
-    dc.hidden_size = cfg.hidden_size
-    dc.intermediate_size = cfg.intermediate_size
-    dc.num_attention_heads = cfg.num_heads
-    dc.num_key_value_heads = cfg.num_kv_heads
-    dc.head_dim = cfg.hidden_size // cfg.num_heads
-    if getattr(dc, "quantization_config", None) is not None:
-        del dc.quantization_config
-    if hasattr(dc, "layer_types") and dc.layer_types is not None:
-        dc.layer_types = [dc.layer_types[0]] * cfg.num_layers
-    return dc
+def draft_lm_config(cfg: DraftLMConfig, target_config: Any) -> PretrainedConfig:
+    """The draft's model config: the target's class, vocabulary, RoPE and special ids, draft
+    sizes, and the layer types of the target layers it copies."""
+    tc = text_config(target_config)
+    layers = cfg.init_layers or default_init_layers(cfg.num_layers, tc.num_hidden_layers)
+    return draft_model_config(tc, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size,
+                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              source_layers=layers if cfg.init == "target" else ())
 
 
-def _check_target_init(cfg: DraftLMConfig, tc: LlamaConfig) -> list[int]:
+def _check_target_init(cfg: DraftLMConfig, tc: PretrainedConfig) -> list[int]:
     pairs = {"hidden_size": (cfg.hidden_size, tc.hidden_size),
              "intermediate_size": (cfg.intermediate_size, tc.intermediate_size),
              "num_heads": (cfg.num_heads, tc.num_attention_heads),
-             "num_kv_heads": (cfg.num_kv_heads, tc.num_key_value_heads)}
+             "num_kv_heads": (cfg.num_kv_heads, tc.num_key_value_heads),
+             "head_dim": (cfg.head_dim or cfg.hidden_size // cfg.num_heads,
+                          getattr(tc, "head_dim", None)
+                          or tc.hidden_size // tc.num_attention_heads)}
     bad = [f"{k}: draft {a} vs target {b}" for k, (a, b) in pairs.items() if a != b]
     if bad:
         raise ValueError("init='target' copies weights and needs matching sizes, but "
@@ -128,39 +135,40 @@ def _check_target_init(cfg: DraftLMConfig, tc: LlamaConfig) -> list[int]:
     return layers
 
 
-def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> LlamaForCausalLM:
+def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> PreTrainedModel:
     """Build a draft LM for ``target_model`` (same vocabulary, tokenizer and special ids).
 
     Args:
         cfg: draft sizes and init choice.
-        target_model: the target ``LlamaForCausalLM`` (only read).
+        target_model: the target causal LM (only read).
 
     Returns:
-        A ``LlamaForCausalLM`` in the target's dtype (fp32 for a 16-bit target), in train mode.
+        A causal LM of the target's class in the target's dtype (fp32 for a 16-bit
+        target), in train mode.
 
     Raises:
         ValueError: ``init="target"`` with sizes that differ from the target's, or bad layer ids.
     """
-    tc = target_model.config
-    dcfg = draft_llama_config(cfg, tc)
+    tc = text_config(target_model.config)
+    dcfg = draft_lm_config(cfg, tc)
     dtype = master_dtype(next(target_model.parameters()).dtype)
-    draft = LlamaForCausalLM(dcfg).to(dtype)
+    draft = AutoModelForCausalLM.from_config(dcfg).to(dtype)
     if getattr(target_model, "generation_config", None) is not None:
         draft.generation_config = copy.deepcopy(target_model.generation_config)
     if cfg.init == "target":
         layers = _check_target_init(cfg, tc)
         with torch.no_grad():
             src, dst = target_model.model, draft.model
-            dst.embed_tokens.weight.copy_(src.embed_tokens.weight)
+            dst.get_input_embeddings().weight.copy_(src.get_input_embeddings().weight)
             for j, i in enumerate(layers):
                 dst.layers[j].load_state_dict(src.layers[i].state_dict())
-            dst.norm.weight.copy_(src.norm.weight)
+            dst.norm.load_state_dict(src.norm.state_dict())
             if not dcfg.tie_word_embeddings:
                 draft.lm_head.weight.copy_(target_model.lm_head.weight)
     return draft.train()
 
 
-def apply_lora(model: LlamaForCausalLM, r: int = 8, alpha: float = 16.0,
+def apply_lora(model: PreTrainedModel, r: int = 8, alpha: float = 16.0,
                target_modules: list[str] | None = None, dropout: float = 0.0) -> nn.Module:
     """Wrap the draft in LoRA adapters (peft); only the adapters train.
 
@@ -172,7 +180,7 @@ def apply_lora(model: LlamaForCausalLM, r: int = 8, alpha: float = 16.0,
         dropout: dropout on the adapter input.
 
     Returns:
-        A ``peft.PeftModel``; call ``.merge_and_unload()`` to get a plain ``LlamaForCausalLM``.
+        A ``peft.PeftModel``; call ``.merge_and_unload()`` to get the plain causal LM.
     """
     from peft import LoraConfig, get_peft_model
 

@@ -5,7 +5,9 @@ predicted feature f_{t+1} (the target's final-norm hidden state, i.e. the LM-hea
 logits predict token t+2. Teacher for output position t is p_{t+1}; regression target hidden_{t+1}.
 
 Layout: ``fc`` fuses ``[features (k*H), embedding (H)] -> H``; ``layer`` is a transformers
-``LlamaDecoderLayer`` built from the target's config; ``lm_head`` is the frozen target LM head, or
+``LlamaDecoderLayer`` built from a draft config derived from the target's
+(``heads.draft_config.draft_layer_config``: the Llama-style layer engines serve for every target);
+``lm_head`` is the frozen target LM head, or
 a trainable reduced-vocabulary head (EAGLE-3 style) with buffers ``d2t`` (draft id -> target id)
 and ``t2d`` (target id is in the draft vocabulary). ``EagleConfig.layout`` picks the rest:
 
@@ -30,7 +32,6 @@ width. With k = 1 both widths are equal and ``fc`` serves both.
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from heads.blocks import additive_mask, causal_allowed, master_dtype
+from heads.draft_config import draft_layer_config
 from heads.eagle_ttt import (  # noqa: F401 (the family's training entry points live here too)
     distill_targets,
     eagle_unrolled_forward,
@@ -124,17 +126,26 @@ class EagleConfig:
         return cls(**d)
 
 
-def head_llama_config(target_config: LlamaConfig) -> LlamaConfig:
-    """The target's config cut to one layer (for the head's decoder layer, rotary and cache)."""
-    cfg = copy.deepcopy(target_config)
-    cfg.num_hidden_layers = 1
-    if getattr(cfg, "quantization_config", None) is not None:
-        del cfg.quantization_config
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = cfg.layer_types[:1]
-    if cfg._attn_implementation is None:
-        cfg._attn_implementation = "sdpa"
-    return cfg
+def head_llama_config(target_config: Any) -> LlamaConfig:
+    """The head's one-layer Llama config, derived from the target's (any architecture)."""
+    return draft_layer_config(target_config, num_layers=1)
+
+
+def auto_fuse_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high hidden-state ids for a target of ``num_layers`` layers:
+    ``[2, L // 2, L - 3]`` (30 layers: 2, 15, 27; 18 layers: 2, 9, 15)."""
+    if num_layers < 6:
+        return sorted({1, max(1, num_layers // 2), max(1, num_layers - 1)})
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@torch.no_grad()
+def effective_norm_weight(norm: nn.Module, hidden_size: int) -> Tensor:
+    """The per-channel scale an RMS norm applies, read by probing it (a Llama norm multiplies by
+    ``weight``, a Gemma norm by ``1 + weight``): the norm of a constant vector of RMS 1000."""
+    w = next(norm.parameters())
+    x = torch.full((1, hidden_size), 1000.0, dtype=w.dtype, device=w.device)
+    return norm(x)[0]
 
 
 class Eagle3Layer(nn.Module):
@@ -167,13 +178,15 @@ class Eagle3Layer(nn.Module):
 class EagleHead(nn.Module):
     """EAGLE head; see the module docstring for the layout and alignment."""
 
-    def __init__(self, cfg: EagleConfig, target_config: LlamaConfig) -> None:
+    def __init__(self, cfg: EagleConfig, target_config: Any) -> None:
         super().__init__()
         self.cfg = cfg
         self.config = head_llama_config(target_config)
         h, v = self.config.hidden_size, self.config.vocab_size
         self.hidden_size, self.vocab_size = h, v
-        n_layers = target_config.num_hidden_layers
+        n_layers = getattr(target_config, "num_hidden_layers", None)
+        if n_layers is None:
+            n_layers = target_config["num_hidden_layers"]
         if cfg.fuse_layers is not None:
             bad = [i for i in cfg.fuse_layers if not 0 <= i <= n_layers]
             if bad:
@@ -382,11 +395,17 @@ def build_eagle(cfg: EagleConfig, target_model: PreTrainedModel,
             head.set_vocab_map(d2t.to(head.d2t.device), t2d.to(head.t2d.device))
             head.lm_head.weight.copy_(w[d2t.to(w.device)])
         if cfg.layout in ("normed", "eagle3"):
-            head.norm.weight.copy_(target_model.model.norm.weight)
+            head.norm.weight.copy_(effective_norm_weight(target_model.model.norm, head.hidden_size))
         if cfg.init_layer is not None:
             src = target_model.model.layers[cfg.init_layer].state_dict()
             if isinstance(head.layer.input_layernorm, nn.Identity):
                 src = {k: v for k, v in src.items() if not k.startswith("input_layernorm.")}
+            own = head.layer.state_dict()
+            if set(src) != set(own) or any(src[k].shape != own[k].shape for k in own):
+                raise ValueError(
+                    f"draft.config.init_layer={cfg.init_layer} copies a target layer, but the "
+                    f"target's '{target_model.config.model_type}' layers do not have the draft "
+                    "layer's Llama-style weights; set draft.config.init_layer=null")
             head.layer.load_state_dict(src)
     head.attach_target(target_model)
     return head.train()

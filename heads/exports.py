@@ -8,6 +8,7 @@ tensor names and shapes, sources) is ``scripts/export_layouts.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,9 @@ def _read_gguf(weights: Path, family: DraftFamily, cfg: Any, info: dict, target:
 
 def _read_medusa(weights: Path, family: DraftFamily, cfg: Any, info: dict,
                  target: Any) -> nn.Module:
-    module = family.empty_head(cfg, info["target"], None, None)
+    # the layout stores an LM head per head (a shared one copied): read back as own LM heads
+    own = dataclasses.replace(cfg, lm_head="own")
+    module = family.empty_head(own, info["target"], None, None)
     module.load_state_dict(medusa_from_reference(load_file(str(weights)), cfg.num_layers))
     return module
 

@@ -72,9 +72,13 @@ class DraftFamily(abc.ABC):
     distill_targets: ClassVar[Callable[..., list]]
 
     # ------------------------------------------------------------------ training
+    def resolve_config(self, raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
+        """``draft.config`` with the values derived from the target filled in (``auto``)."""
+        return dict(raw)
+
     def head_config(self, raw: Mapping[str, Any], target_config: Any) -> Any:
         """The head config from ``draft.config`` values (``_target_`` already removed)."""
-        return self.config_class(**raw)
+        return self.config_class(**self.resolve_config(raw, target_config))
 
     @abc.abstractmethod
     def build(self, head_config: Any, target_model: nn.Module,
@@ -125,6 +129,18 @@ class DraftFamily(abc.ABC):
     def target_config_of(self, module: nn.Module) -> Any:
         """The target's model config as far as the module holds it (None: it holds none)."""
         return None
+
+    def draft_config_of(self, module: nn.Module) -> dict[str, Any] | None:
+        """The draft's own model config, derived from the target's and recorded explicitly in
+        the package (``draft_config``): widths, heads, head dim, RoPE, norm eps, activation,
+        vocabulary, and the class (``architectures``). None: the family has none."""
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            return None
+        d = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+        if not d.get("architectures") and type(module).__name__.endswith("ForCausalLM"):
+            d["architectures"] = [type(module).__name__]
+        return d
 
     @abc.abstractmethod
     def empty_head(self, head_config: Any, identity: Mapping[str, Any], target_config: Any,
@@ -185,11 +201,11 @@ class DraftLMFamily(DraftFamily):
     export_formats = ("hf", "gguf")
     distill_targets = staticmethod(draft_lm.distill_targets)
 
-    _WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
+    _WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
 
     def head_config(self, raw: Mapping[str, Any], target_config: Any) -> Any:
         """Without explicit widths the draft takes the target's (so ``init=target`` works)."""
-        raw = dict(raw)
+        raw = self.resolve_config(raw, target_config)
         if not any(raw.get(w) is not None for w in self._WIDTHS):
             for w in self._WIDTHS:
                 raw.pop(w, None)
@@ -200,11 +216,12 @@ class DraftLMFamily(DraftFamily):
         return draft_lm.build_draft_lm(head_config, target_model)
 
     def empty_head(self, head_config, identity, target_config, target_model):
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         if target_config is None:
             raise ValueError("a draft LM's shapes come from the target's config: pass target=")
-        return LlamaForCausalLM(draft_lm.draft_llama_config(head_config, target_config))
+        return AutoModelForCausalLM.from_config(draft_lm.draft_lm_config(head_config,
+                                                                         target_config))
 
     def for_training(self, module, draft_cfg):
         lora = draft_cfg.get("lora")
@@ -254,6 +271,22 @@ class MedusaFamily(DraftFamily):
     export_formats = ("medusa",)
     distill_targets = staticmethod(medusa.distill_targets)
 
+    def resolve_config(self, raw, target_config):
+        """``lm_head: auto`` becomes ``own`` or ``shared`` by the size of the target's LM head
+        (``heads.medusa.auto_lm_head``, which logs the choice)."""
+        raw = dict(raw)
+        if raw.get("lm_head") == "auto":
+            from heads.draft_config import text_config
+
+            if target_config is None:
+                raise ValueError("draft.config.lm_head=auto is decided by the target's LM-head "
+                                 "size: pass the target's config, or set lm_head=own or shared")
+            tc = text_config(target_config)
+            num_heads = int(raw.get("num_heads", medusa.MedusaConfig.num_heads))
+            raw["lm_head"] = medusa.auto_lm_head(num_heads, int(tc.vocab_size),
+                                                 int(tc.hidden_size))
+        return raw
+
     def build(self, head_config, target_model, token_counts=None):
         return medusa.build_medusa(head_config, target_model)
 
@@ -263,8 +296,31 @@ class MedusaFamily(DraftFamily):
     def default_position_weights(self, head_config, n):
         return head_config.loss_weights()
 
+    def validate(self, draft_cfg):
+        mode = (draft_cfg.get("config") or {}).get("lm_head", "own")
+        if mode not in medusa.LM_HEAD_MODES:
+            raise ValueError(f"draft.config.lm_head={mode!r} is invalid; allowed values: "
+                             f"{', '.join(medusa.LM_HEAD_MODES)}")
+
+    def saved_state(self, module, head_config):
+        """Leaves out a shared LM head (``lm_head.*``, the target's own weight): it is attached
+        from the target on load. Own LM heads (``heads.{i}.lm_head.*``) are stored."""
+        built = getattr(module, "cfg", head_config).lm_head
+        if head_config.lm_head != built:
+            raise ValueError(f"head config says lm_head={head_config.lm_head!r} but the heads "
+                             f"were built with lm_head={built!r}: save them with their resolved "
+                             "config (heads.cfg)")
+        state = {k: v for k, v in module.state_dict().items() if not k.startswith("lm_head.")}
+        return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+
     def empty_head(self, head_config, identity, target_config, target_model):
-        return medusa.MedusaHeads(head_config, identity["hidden_size"], identity["vocab_size"])
+        head = medusa.MedusaHeads(head_config, identity["hidden_size"], identity["vocab_size"])
+        if target_model is not None:
+            head.attach_target(target_model)
+        elif head.shared:
+            log.warning("Medusa package with a shared LM head loaded without its target: the LM "
+                        "head is unset; call module.attach_target(target_model) before decoding")
+        return head
 
     def max_draft_length(self, head_config):
         return int(head_config.num_heads)
@@ -290,6 +346,18 @@ class EagleFamily(DraftFamily):
     def needs_token_counts(self, head_config):
         return head_config.draft_vocab_size is not None
 
+    def resolve_config(self, raw, target_config):
+        """``fuse_layers: auto`` becomes EAGLE-3's low / middle / high layers of the target."""
+        raw = dict(raw)
+        if raw.get("fuse_layers") == "auto":
+            from heads.draft_config import text_config
+
+            n = int(text_config(target_config).num_hidden_layers)
+            raw["fuse_layers"] = eagle.auto_fuse_layers(n)
+            log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
+                     raw["fuse_layers"], n)
+        return raw
+
     def distill_extra(self, n, layer_ids):
         return {"num_steps": n, "layer_ids": layer_ids}
 
@@ -310,7 +378,8 @@ class EagleFamily(DraftFamily):
         if vocab is not None and vocab > vocab_size:
             raise ValueError(f"draft.config.draft_vocab_size={vocab} exceeds the target's "
                              f"vocabulary ({vocab_size}); use a value <= {vocab_size} or null")
-        bad = [i for i in (cfg.get("fuse_layers") or []) if not 0 <= i <= num_layers]
+        fuse = cfg.get("fuse_layers")
+        bad = [] if fuse == "auto" else [i for i in (fuse or []) if not 0 <= i <= num_layers]
         if bad:
             raise ValueError(f"draft.config.fuse_layers has ids {bad} outside the target's "
                              f"0..{num_layers}")

@@ -286,7 +286,8 @@ def save_package(out_dir: str | Path, kind: str, module: nn.Module, head_config:
             tcfg["num_hidden_layers"] = ident["num_layers"]
             tcfg.pop("layer_types", None)
         info = {"draft_kind": kind, "format_version": FORMAT_VERSION,
-                "head_config": _to_dict(head_config), "target": ident, "target_config": tcfg}
+                "head_config": _to_dict(head_config), "target": ident, "target_config": tcfg,
+                "draft_config": family.draft_config_of(module)}
         write_json_atomic(tmp / PACKAGE_JSON, info)
         if train_cfg is not None:
             from omegaconf import OmegaConf

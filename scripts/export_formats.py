@@ -55,9 +55,13 @@ def readable_by_older_loaders(cfg: dict) -> dict:
 
 
 def _layer_config(target_config: dict) -> dict:
-    """The target's config cut to the head's single decoder layer."""
-    cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
-    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+    """The head's single Llama-style decoder layer, derived from the target's config (any
+    architecture: ``heads.draft_config.draft_layer_config``), every field explicit."""
+    from heads.draft_config import draft_layer_config
+
+    derived = draft_layer_config(target_config).to_dict()
+    cfg = {k: v for k, v in derived.items() if not k.startswith("_")}
+    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], model_type="llama")
     cfg.pop("layer_types", None)
     return readable_by_older_loaders(cfg)
 
@@ -263,7 +267,11 @@ REFERENCE_WITH_EMBEDDING = ("pytorch_model.bin",)
 def _write_medusa(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
     dtype, verifier = opts.dtype, opts.verifier
     cfg, ident = pkg.head_config, pkg.info["target"]
-    state = medusa_to_reference(pkg.module.state_dict(), cfg.num_layers)
+    if not pkg.module.target_attached:  # the layout stores an LM head per head: the target's
+        raise ExportError("these Medusa heads share the target's LM head, which the medusa layout "
+                          "stores once per head: load the target (check_target=true, or "
+                          "target_path=... for a target other than the packaged one)")
+    state = medusa_to_reference(pkg.module.per_head_state_dict(), cfg.num_layers)
     _save(state, tmp / MEDUSA_WEIGHTS, dtype)
     if opts.reference_files:
         torch.save(_cpu(state, dtype), tmp / REFERENCE_FILES["medusa"])
@@ -339,8 +347,19 @@ def _speculators_config(pkg: DraftPackage, opts: WriteOptions, algorithm: str) -
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": opts.verifier,
-                         "architectures": pkg.info["target_config"].get("architectures")
-                         or ["LlamaForCausalLM"]}}
+                         "architectures": verifier_architectures(pkg.info["target_config"])}}
+
+
+def verifier_architectures(target_config: dict) -> list[str]:
+    """The verifier's own architecture names: its config's ``architectures``, else the causal-LM
+    class transformers maps its ``model_type`` to."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    named = target_config.get("architectures")
+    if named:
+        return list(named)
+    return [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(target_config.get("model_type", "llama"),
+                                                  "LlamaForCausalLM")]
 
 
 def _write_speculators_eagle3(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:

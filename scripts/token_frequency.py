@@ -50,7 +50,8 @@ def add_token_frequency(pkg_dir: str | Path, train_cache: str | Path | None = No
                                     "itself)")
         cfg = OmegaConf.load(cfg_path)
         target = load_target(target_path_from_config(cfg.target),
-                             dtype=getattr(torch, cfg.target.dtype))
+                             dtype=getattr(torch, cfg.target.dtype),
+                             chat_template=cfg.target.get("chat_template"))
         check_target(pkg.info["target"], target.identity)
         layers = list(OmegaConf.select(cfg, "draft.config.fuse_layers") or [])
         log.info("rebuilding (or reusing) the training split's feature cache")

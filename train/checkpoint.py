@@ -104,7 +104,8 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 # feature cache lives (its key is the data settings, which are compared); the target's label
 # (not part of its identity). Everything else, e.g. optim.lr, seed, draft.*, loss.*, data.*
 # and the launcher, must be equal.
-RESUME_FREE_KEYS = ("name", "out_dir", "logging", "train.log_every", "train.eval_every",
+RESUME_FREE_KEYS = ("name", "out_dir", "train.memory_check", "logging", "train.log_every",
+                    "train.eval_every",
                     "train.eval_batches", "train.save_every", "train.keep_checkpoints",
                     "train.resume", "train.count_flops", "train.cpu_threads",
                     "train.dist_timeout_s", "train.cache_wait_s",
@@ -114,7 +115,8 @@ RESUME_FREE_KEYS = ("name", "out_dir", "logging", "train.log_every", "train.eval
 # May grow (a longer run continues the same one); a smaller value is a difference.
 GROWING_KEYS = ("train.max_steps",)
 # ``auto`` in this run matches whatever the checkpoint's run measured (and recorded) for it.
-AUTO_KEYS = ("target.dtype", "train.mixed_precision")
+AUTO_KEYS = ("target.dtype", "train.mixed_precision", "draft.config.fuse_layers",
+             "draft.config.lm_head", "data.cache.dtype")
 # What a run writes into out_dir besides Hydra's own folder: moved aside when a run starts over.
 RUN_FILES = ("checkpoints", "train_log.jsonl", "validation_init.json", "validation.json",
              "summary.json", "draft")

@@ -92,6 +92,18 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(str(e)) from e
 
 
+def resolve_target_defaults(cfg: DictConfig, target_config: Any) -> None:
+    """Replace ``auto`` values of ``draft.config`` that depend on the target (e.g. EAGLE's
+    ``fuse_layers``) in place by the values derived from it, so the feature cache, the head and
+    the package's recorded config all see the same; the family logs each choice."""
+    family = get_family(cfg.draft.kind)
+    raw = OmegaConf.to_container(cfg.draft.config, resolve=True)
+    resolved = family.resolve_config(raw, target_config)
+    for key, value in resolved.items():
+        if raw.get(key) != value:
+            OmegaConf.update(cfg, f"draft.config.{key}", value, merge=False)
+
+
 def validate_against_target(cfg: DictConfig, vocab_size: int, hidden_size: int,
                             num_layers: int) -> None:
     """Check the values that depend on the loaded target. Raises ConfigError."""

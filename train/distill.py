@@ -39,10 +39,12 @@ from train.config import (
     TARGET_DTYPES,
     ConfigError,
     resolve_auto_dtypes,
+    resolve_target_defaults,
     validate_against_target,
     validate_config,
 )
-from train.losses import feature_regression, shared_teacher_log_probs
+from train.losses import feature_regression, shared_teacher_rows
+from train.memory import check_training_memory, recompute_loss, shared_teacher_fits
 from train.runtime import (
     StepLog,
     batch_fingerprints,
@@ -103,8 +105,10 @@ class DistillRecipe:
 
         with main_process_first(acc, cfg.train.cache_wait_s):
             self.target = load_target(target_path_from_config(cfg.target),
-                                      dtype=getattr(torch, cfg.target.dtype))
+                                      dtype=getattr(torch, cfg.target.dtype),
+                                      chat_template=cfg.target.get("chat_template"))
         tcfg = self.target.model.config
+        resolve_target_defaults(cfg, tcfg)
         validate_against_target(cfg, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)
 
         # 2. feature cache: every rank writes its share of the shards, then all read them all
@@ -134,6 +138,7 @@ class DistillRecipe:
         self.draft = build_trainable(cfg, self.target, self.train_set)
         self.lm_head = self.target.model.get_output_embeddings().weight.detach().to(acc.device)
         self.loss_fn = hydra.utils.instantiate(cfg.loss)
+        self._check_memory()  # a run that would not fit is refused before its first step
 
         # 4. optimizer and schedule (the scheduler is stepped once per optimizer step by hand, so
         #    the schedule is the same whatever the number of processes)
@@ -166,6 +171,24 @@ class DistillRecipe:
         if not bool((codes == codes[0]).all()):
             raise ConfigError("the processes measured different fastest dtypes for "
                               "target.dtype / train.mixed_precision=auto; set both explicitly")
+
+    def _check_memory(self) -> None:
+        """``train.memory.check_training_memory`` on every process; all refuse together (each
+        measures its own usable memory, and a lone refusal would leave the others waiting)."""
+        acc = self.accelerator
+        error = None
+        try:
+            check_training_memory(self.cfg, self.target.model, self.draft, acc.device)
+        except ConfigError as e:
+            error = e
+        if acc.num_processes > 1:
+            flag = torch.tensor([float(error is not None)], device=acc.device)
+            if acc.reduce(flag, reduction="sum").item() > 0 and error is None:
+                error = ConfigError("another process estimated that training would not fit in its "
+                                    "memory: its log names the overrides that would fit "
+                                    "(train.memory_check=false skips the check)")
+        if error is not None:
+            raise error
 
     def _check_deepspeed_clipping(self) -> None:
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
@@ -228,6 +251,10 @@ class DistillRecipe:
         total = torch.zeros((), device=self.accelerator.device)
         parts: dict[str, float] = {}
         shared = self._shared_teacher(batch, outputs)
+        budget = self.cfg.train.teacher_logits_budget
+        # vocabulary-wide student logits over the budget: the loss keeps nothing of its chunks
+        # for backward but recomputes them (at most one chunk's (rows, V) tensors alive)
+        recompute = recompute_loss(sum(pos.draft_logits.numel() for pos in outputs), budget)
         for k, pos in enumerate(outputs):
             # Only the counted rows (assistant tokens, no padding) go through the loss: families
             # return them packed as (1, N, ...), all counted. The teacher comes from the cached
@@ -238,9 +265,11 @@ class DistillRecipe:
             if student.shape[1] == 0:
                 lk = student.sum() * 0.0
             elif shared is not None:
-                lk = self.loss_fn(student, None, None, teacher_logp=shared[k][None],
-                                  draft_to_target=d2t, labels=labels)
-            elif student.shape[1] * self.lm_head.shape[0] <= self.cfg.train.teacher_logits_budget:
+                log_p, rows = shared
+                lk = self.loss_fn(student, None, None, teacher_logp=log_p,
+                                  teacher_logp_index=rows[k][None], draft_to_target=d2t,
+                                  labels=labels, recompute=recompute)
+            elif not recompute and student.shape[1] * self.lm_head.shape[0] <= budget:
                 with torch.no_grad():
                     teacher = teacher_logits(t_hidden, self.lm_head)
                 lk = self.loss_fn(student, teacher, None, draft_to_target=d2t, labels=labels)
@@ -258,22 +287,24 @@ class DistillRecipe:
                 n_tokens = n_global
         return total, parts, n_tokens
 
-    def _shared_teacher(self, batch: dict, outputs: list) -> list[torch.Tensor] | None:
-        """Per position, the (N_k, V_draft) teacher log-probabilities of its counted rows, each
-        distinct row computed once (``train.teacher_per_token``), or None for the per-position
-        path (that setting off, or the batch's (B*T, V_draft) log-probabilities over the budget)."""
+    def _shared_teacher(self, batch: dict, outputs: list
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The (U, V_draft) teacher log-probabilities of the distinct rows the positions read,
+        each computed once (``train.teacher_per_token``), and per position the (N_k,) row of
+        each counted entry; or None for the per-position path (that setting off, or the batch's
+        (B*T, V_draft) log-probabilities over the budget)."""
         if not self.cfg.train.teacher_per_token:
             return None
         hidden = batch["hidden"].flatten(0, 1)  # (B*T, H): at most this many distinct rows
         vocab = self.lm_head.shape[0] if self.draft.draft_to_target is None \
             else self.draft.draft_to_target.numel()
-        if hidden.shape[0] * vocab > self.cfg.train.teacher_logits_budget:
+        if not shared_teacher_fits(hidden.shape[0], vocab, self.cfg.train.teacher_logits_budget):
             return None
         rows = [pos.teacher_index[pos.mask] for pos in outputs]
         lse = batch.get("teacher_lse") if self.cfg.train.teacher_lse else None  # cache format 2
-        return shared_teacher_log_probs(hidden, rows, self.lm_head, self.loss_fn.temperature,
-                                        self.draft.draft_to_target, self.loss_fn.renormalize,
-                                        log_normalizer=None if lse is None else lse.flatten())
+        return shared_teacher_rows(hidden, rows, self.lm_head, self.loss_fn.temperature,
+                                   self.draft.draft_to_target, self.loss_fn.renormalize,
+                                   log_normalizer=None if lse is None else lse.flatten())
 
     @torch.no_grad()
     def validate(self) -> dict:

@@ -4,13 +4,19 @@ All losses are ``nn.Module``s with the same call::
 
     loss = L(student_logits, teacher_logits, mask)
     loss = L(student_logits, None, mask, teacher_hidden=h, lm_head_weight=W, draft_to_target=d2t)
+    loss = L(student_logits, None, mask, teacher_logp=rows, teacher_logp_index=idx, recompute=True)
 
 * ``student_logits`` (B, T, V_draft); ``mask`` (B, T) bool: entries with False are ignored
   (there is no ignore_index; padding and non-assistant positions are masked out); None = all.
-* The teacher is given either as logits (B, T, V) or as final hidden states (B, T, H) plus the
-  frozen LM head weight (V, H); the latter is evaluated in chunks of ``chunk_size`` positions
-  along T (with activation checkpointing under autograd), so at most (B, chunk, V) teacher
-  probabilities exist at a time, in forward and in backward.
+* The teacher is given either as logits (B, T, V), as final hidden states (B, T, H) plus the
+  frozen LM head weight (V, H), or as log-probabilities (B, T, V_draft), possibly as distinct
+  rows (R, V_draft) with each entry's row (``shared_teacher_rows``). Hidden states are evaluated
+  in chunks of ``chunk_size`` positions along T (with activation checkpointing under autograd),
+  so at most (B, chunk, V) teacher probabilities exist at a time, in forward and in backward;
+  ``recompute=True`` checkpoints the chunks of the other forms too, so that nothing
+  vocabulary-wide is kept for backward (the recipe asks for it past
+  ``train.teacher_logits_budget``: a 262k-token vocabulary's fp32 tensors for every chunk of
+  every draft position would be several GiB).
 * Temperature: ``p = softmax(z_p / temperature)`` and ``q = softmax(z_q / temperature)``; no
   ``temperature**2`` factor is applied.
 * The result is the mean over masked entries (0 when the mask is empty).
@@ -75,16 +81,21 @@ def target_to_draft_index(draft_to_target: Tensor, vocab_size: int) -> Tensor:
     return inv
 
 
+TEACHER_CHUNK_ELEMENTS = 1 << 26  # rows x vocabulary per teacher LM-head call (256 MiB fp32)
+
+
 @torch.no_grad()
-def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
-                             temperature: float, draft_to_target: Tensor | None = None,
-                             renormalize: bool = False, chunk_size: int = 1024,
-                             log_normalizer: Tensor | None = None) -> list[Tensor]:
-    """Teacher log-probabilities for several draft positions, each teacher row computed once.
+def shared_teacher_rows(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
+                        temperature: float, draft_to_target: Tensor | None = None,
+                        renormalize: bool = False, chunk_size: int | None = None,
+                        log_normalizer: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+    """Teacher log-probabilities of the distinct rows several draft positions read, each row
+    computed once, and where each position's entries find theirs.
 
     The teacher of draft position k at token t is the position-1 teacher of token t+k-1, so the
     positions of one batch read mostly the same rows of ``hidden``: the LM head and the
-    vocabulary-wide softmax run once per distinct row instead of once per position.
+    vocabulary-wide softmax run once per distinct row instead of once per position, and the
+    positions index the one (U, V_draft) result instead of holding copies of it.
 
     With ``log_normalizer`` (the feature cache's ``teacher_lse``: the teacher's ``logsumexp`` at
     temperature 1, computed when the cache was built) a reduced, not renormalised draft
@@ -98,25 +109,46 @@ def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight:
         temperature: > 0.
         draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
         renormalize: see the module docstring.
-        chunk_size: distinct rows per LM-head call (bounds the (chunk, V) logits held at once).
+        chunk_size: distinct rows per LM-head call (bounds the (chunk, V) logits held at once);
+            None: ``TEACHER_CHUNK_ELEMENTS // V`` rows.
         log_normalizer: (R,) float32 ``teacher_lse`` of each row of ``hidden``, or None. Used
             only where it is exact: temperature 1, a reduced vocabulary, no renormalising.
 
     Returns:
-        per position, (N_k, V_draft) float32 log-probabilities (as ``teacher_log_probs``).
+        ``(log_p, index)``: (U, V_draft) float32 log-probabilities of the U distinct rows (as
+        ``teacher_log_probs``), and per position the (N_k,) long row of ``log_p`` of each entry.
     """
     flat = torch.cat([r.reshape(-1) for r in rows])
     unique, inverse = torch.unique(flat, return_inverse=True)
-    if (log_normalizer is not None and temperature == 1.0 and draft_to_target is not None
-            and not renormalize):
-        rows_w = lm_head_weight[draft_to_target]  # (V_draft, H): the draft's rows only
-        log_p = torch.cat([features.teacher_logits(hidden[c], rows_w) - log_normalizer[c, None]
-                           for c in unique.split(chunk_size)])
-    else:
-        log_p = torch.cat([teacher_log_probs(hidden[c], temperature, lm_head_weight,
-                                             draft_to_target, renormalize)
-                           for c in unique.split(chunk_size)])
-    return [log_p[i] for i in inverse.split([r.numel() for r in rows])]
+    vocab = lm_head_weight.shape[0]
+    if chunk_size is None:
+        chunk_size = max(1, TEACHER_CHUNK_ELEMENTS // vocab)
+    width = vocab if draft_to_target is None else draft_to_target.numel()
+    log_p = torch.empty(unique.numel(), width, dtype=torch.float32, device=hidden.device)
+    lse_path = (log_normalizer is not None and temperature == 1.0
+                and draft_to_target is not None and not renormalize)
+    rows_w = lm_head_weight[draft_to_target] if lse_path else None  # (V_draft, H): draft rows
+    for start in range(0, unique.numel(), chunk_size):
+        c = unique[start:start + chunk_size]
+        if lse_path:
+            log_p[start:start + c.numel()] = (features.teacher_logits(hidden[c], rows_w)
+                                              - log_normalizer[c, None])
+        else:
+            log_p[start:start + c.numel()] = teacher_log_probs(
+                hidden[c], temperature, lm_head_weight, draft_to_target, renormalize)
+    return log_p, list(inverse.split([r.numel() for r in rows]))
+
+
+@torch.no_grad()
+def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
+                             temperature: float, draft_to_target: Tensor | None = None,
+                             renormalize: bool = False, chunk_size: int | None = None,
+                             log_normalizer: Tensor | None = None) -> list[Tensor]:
+    """Per position, the (N_k, V_draft) float32 teacher log-probabilities of its entries
+    (copies gathered from :func:`shared_teacher_rows`, whose arguments it takes)."""
+    log_p, index = shared_teacher_rows(hidden, rows, lm_head_weight, temperature,
+                                       draft_to_target, renormalize, chunk_size, log_normalizer)
+    return [log_p[i] for i in index]
 
 
 class _ForwardKL(torch.autograd.Function):
@@ -246,18 +278,23 @@ class DistillLoss(nn.Module):
     def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                 mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
                 lm_head_weight: Tensor | None = None, draft_to_target: Tensor | None = None,
-                labels: Tensor | None = None, teacher_logp: Tensor | None = None) -> Tensor:
+                labels: Tensor | None = None, teacher_logp: Tensor | None = None,
+                teacher_logp_index: Tensor | None = None,
+                recompute: bool | None = None) -> Tensor:
         """Scalar weighted loss; arguments as in ``forward_with_parts``."""
         return self.forward_with_parts(
             student_logits, teacher_logits, mask, teacher_hidden=teacher_hidden,
             lm_head_weight=lm_head_weight, draft_to_target=draft_to_target, labels=labels,
-            teacher_logp=teacher_logp)[0]
+            teacher_logp=teacher_logp, teacher_logp_index=teacher_logp_index,
+            recompute=recompute)[0]
 
     def forward_with_parts(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                            mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
                            lm_head_weight: Tensor | None = None,
                            draft_to_target: Tensor | None = None, labels: Tensor | None = None,
-                           teacher_logp: Tensor | None = None
+                           teacher_logp: Tensor | None = None,
+                           teacher_logp_index: Tensor | None = None,
+                           recompute: bool | None = None
                            ) -> tuple[Tensor, dict[str, Tensor]]:
         """Weighted loss and its parts.
 
@@ -271,7 +308,14 @@ class DistillLoss(nn.Module):
             labels: (B, T) long target ids (for ``ce_data``).
             teacher_logp: (B, T, V_draft) teacher log-probabilities already at this
                 temperature and restricted to the draft vocabulary (``shared_teacher_log_probs``);
-                replaces ``teacher_logits`` / ``teacher_hidden``.
+                replaces ``teacher_logits`` / ``teacher_hidden``. With ``teacher_logp_index``:
+                (R, V_draft) distinct teacher rows (``shared_teacher_rows``).
+            teacher_logp_index: (B, T) long, the row of ``teacher_logp`` (R, V_draft) holding
+                each entry's teacher; rows are gathered chunk by chunk (no (B, T, V_draft) copy).
+            recompute: keep nothing vocabulary-wide for backward: every chunk is recomputed in
+                backward (activation checkpointing), so at most one chunk's (B, chunk, V)
+                tensors exist at a time, at the cost of a second pass over them. None: only when
+                the teacher comes from ``teacher_hidden`` (its logits are recomputed anyway).
 
         Returns:
             ``(total, parts)``: scalar weighted sum, and each unweighted term (detached).
@@ -279,6 +323,13 @@ class DistillLoss(nn.Module):
         if mask is None:
             mask = torch.ones(student_logits.shape[:2], dtype=torch.bool,
                               device=student_logits.device)
+        rows_logp = None  # (R, V_draft) teacher rows that teacher_logp_index points into
+        if teacher_logp_index is not None:
+            if teacher_logp is None or teacher_logp.dim() != 2:
+                got = None if teacher_logp is None else tuple(teacher_logp.shape)
+                raise ValueError("teacher_logp_index needs teacher_logp as (R, V_draft) rows "
+                                 f"(shared_teacher_rows), got {got}")
+            rows_logp, teacher_logp = teacher_logp, teacher_logp_index  # chunks carry indices
         teacher = _check_inputs(student_logits, mask, teacher_logits, teacher_hidden,
                                 lm_head_weight, teacher_logp)
         mask = mask.bool()
@@ -301,7 +352,7 @@ class DistillLoss(nn.Module):
 
         def chunk_fn(s: Tensor, t: Tensor, m: Tensor, lab: Tensor) -> Tensor:
             if given_log_p:
-                log_p = t
+                log_p = t if rows_logp is None else rows_logp[t]
             else:
                 with torch.no_grad():
                     log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
@@ -336,11 +387,12 @@ class DistillLoss(nn.Module):
         sums = torch.zeros(len(terms) + ("ce_data" in terms), device=student_logits.device)
         # torch.split (not slicing): its backward concatenates the chunk gradients once
         # instead of materialising a full-size zero gradient per chunk. Chunks are
-        # recomputed in backward (checkpointed) only on the memory-bounded path, where the
-        # teacher comes from hidden states through the LM head.
+        # recomputed in backward (checkpointed) on the memory-bounded paths: the teacher from
+        # hidden states through the LM head, or when the caller asks (``recompute``).
         cs = self.chunk_size
-        recompute = teacher_hidden is not None and torch.is_grad_enabled() \
-            and student_logits.requires_grad
+        if recompute is None:
+            recompute = teacher_hidden is not None
+        recompute = bool(recompute) and torch.is_grad_enabled() and student_logits.requires_grad
         for args in zip(student_logits.split(cs, 1), teacher.split(cs, 1), mask.split(cs, 1),
                         labels_t.split(cs, 1)):
             if not bool(args[2].any()):
