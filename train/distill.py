@@ -4,8 +4,6 @@
     accelerate launch train/distill.py                                  # EAGLE head, defaults
     accelerate launch train/distill.py experiment=quickstart            # the `make demo` run
     accelerate launch train/distill.py draft=medusa loss=tvd optim.lr=1e-3
-    accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml train/distill.py \\
-        launcher=deepspeed_zero2
 
 The recipe is one class: ``setup`` (accelerator, target, feature cache, draft, optimizer),
 ``train`` (the loop, validation, checkpoints), ``save_package`` and ``cleanup``. Components live in
@@ -44,7 +42,9 @@ from train.config import (
     validate_config,
 )
 from train.losses import feature_regression, shared_teacher_rows
-from train.memory import check_training_memory, recompute_loss, shared_teacher_fits
+from train.memory import check_deepspeed_clipping as check_clipping
+from train.memory import check_memory_on_all_ranks as check_memory
+from train.memory import recompute_loss, shared_teacher_fits
 from train.runtime import (
     StepLog,
     batch_fingerprints,
@@ -138,7 +138,7 @@ class DistillRecipe:
         self.draft = build_trainable(cfg, self.target, self.train_set)
         self.lm_head = self.target.model.get_output_embeddings().weight.detach().to(acc.device)
         self.loss_fn = hydra.utils.instantiate(cfg.loss)
-        self._check_memory()  # a run that would not fit is refused before its first step
+        check_memory(self.cfg, self.target.model, self.draft, self.accelerator)  # or refuse
 
         # 4. optimizer and schedule (the scheduler is stepped once per optimizer step by hand, so
         #    the schedule is the same whatever the number of processes)
@@ -152,7 +152,7 @@ class DistillRecipe:
             if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
                 ds["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
         self.draft.module, self.optimizer = acc.prepare(self.draft.module, self.optimizer)
-        self._check_deepspeed_clipping()
+        check_clipping(self.accelerator, self.cfg)
 
         # 5. trackers and resume
         self.steplog = StepLog(acc, cfg, self.out_dir)
@@ -171,34 +171,6 @@ class DistillRecipe:
         if not bool((codes == codes[0]).all()):
             raise ConfigError("the processes measured different fastest dtypes for "
                               "target.dtype / train.mixed_precision=auto; set both explicitly")
-
-    def _check_memory(self) -> None:
-        """``train.memory.check_training_memory`` on every process; all refuse together (each
-        measures its own usable memory, and a lone refusal would leave the others waiting)."""
-        acc = self.accelerator
-        error = None
-        try:
-            check_training_memory(self.cfg, self.target.model, self.draft, acc.device)
-        except ConfigError as e:
-            error = e
-        if acc.num_processes > 1:
-            flag = torch.tensor([float(error is not None)], device=acc.device)
-            if acc.reduce(flag, reduction="sum").item() > 0 and error is None:
-                error = ConfigError("another process estimated that training would not fit in its "
-                                    "memory: its log names the overrides that would fit "
-                                    "(train.memory_check=false skips the check)")
-        if error is not None:
-            raise error
-
-    def _check_deepspeed_clipping(self) -> None:
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is None:
-            return
-        clip = plugin.deepspeed_config.get("gradient_clipping", 1.0)
-        if float(clip) != float(self.cfg.train.max_grad_norm):
-            raise ConfigError(
-                f"DeepSpeed clips gradients at {clip} (its JSON 'gradient_clipping') but "
-                f"train.max_grad_norm={self.cfg.train.max_grad_norm}; set both to the same value")
 
     def _check_previous_run(self) -> None:
         """Resuming: the newest checkpoint's recorded config must match this run's

@@ -443,3 +443,39 @@ def check_training_memory(cfg: DictConfig, target_model: nn.Module, draft: Any,
 
 def _size(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if abs(n) >= GiB / 10 else f"{n / 1024 ** 2:.0f} MiB"
+
+
+def check_memory_on_all_ranks(cfg: Any, target_model: Any, draft: Any, accelerator: Any) -> None:
+    """:func:`check_training_memory` on every process; all refuse together (each measures its
+    own usable memory, and a lone refusal would leave the others waiting)."""
+    import torch
+
+    from train.config import ConfigError
+
+    error = None
+    try:
+        check_training_memory(cfg, target_model, draft, accelerator.device)
+    except ConfigError as e:
+        error = e
+    if accelerator.num_processes > 1:
+        flag = torch.tensor([float(error is not None)], device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0 and error is None:
+            error = ConfigError("another process estimated that training would not fit in its "
+                                "memory: its log names the overrides that would fit "
+                                "(train.memory_check=false skips the check)")
+    if error is not None:
+        raise error
+
+
+def check_deepspeed_clipping(accelerator: Any, cfg: Any) -> None:
+    """DeepSpeed's JSON ``gradient_clipping`` must equal ``train.max_grad_norm``."""
+    from train.config import ConfigError
+
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    clip = plugin.deepspeed_config.get("gradient_clipping", 1.0)
+    if float(clip) != float(cfg.train.max_grad_norm):
+        raise ConfigError(
+            f"DeepSpeed clips gradients at {clip} (its JSON 'gradient_clipping') but "
+            f"train.max_grad_norm={cfg.train.max_grad_norm}; set both to the same value")

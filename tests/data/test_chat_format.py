@@ -33,7 +33,7 @@ def base_tokenizer():
 
 def test_a_base_tokenizer_gets_the_plain_format(caplog):
     tok = base_tokenizer()
-    with caplog.at_level("INFO", logger="data.target"):
+    with caplog.at_level("INFO", logger="data.chat_format"):
         assert apply_chat_format(tok, None, "base") == "plain"
     assert tok.chat_template == PLAIN_CHAT_TEMPLATE
     assert "plain completion format" in caplog.text and "no chat template" in caplog.text
