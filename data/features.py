@@ -112,7 +112,8 @@ def _forward(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[int]
                     f"'{k}' overflows {dtype}; use cache dtype 'bfloat16' instead "
                     "(data.cache.dtype=bfloat16, or auto to choose from a probe)")
             item[k] = cast.cpu()
-        item["teacher_lse"] = teacher_log_normalizer(item["hidden"], lm_head).cpu()
+        item["teacher_lse"] = teacher_log_normalizer(item["hidden"], lm_head,
+                                                     softcap=logit_softcap(model.config)).cpu()
         if not store_final:
             del item["hidden"]
     return res
@@ -168,11 +169,11 @@ def _settle_dtype(out: Path, dtype: str, probe: Callable[[], tuple[str, float]])
 
 @torch.no_grad()
 def teacher_log_normalizer(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                           chunk: int = 256) -> torch.Tensor:
+                           chunk: int = 256, softcap: float | None = None) -> torch.Tensor:
     """``(T,)`` float32 ``logsumexp`` of :func:`teacher_logits` (temperature 1) per row of
     ``hidden (T, H)``, in chunks of rows (never all (T, V) logits at once)."""
     w = lm_head_weight
-    parts = [torch.logsumexp(teacher_logits(h.to(w.device), w), dim=-1).cpu()
+    parts = [torch.logsumexp(teacher_logits(h.to(w.device), w, softcap=softcap), dim=-1).cpu()
              for h in hidden.split(chunk)]
     return torch.cat(parts) if parts else torch.zeros(0)
 
@@ -447,8 +448,10 @@ def check_space(out: Path, total: int, remaining: int, tokens: int, per_token: i
 
 
 def teacher_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """Teacher logits from cached hidden states: ``lm_head(hidden) / T`` in fp32.
+                   temperature: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """Teacher logits from cached hidden states: ``lm_head(hidden) / T`` in fp32, soft-capped
+    first (``cap * tanh(logits / cap)``) for a target whose forward caps them (Gemma 2's
+    ``final_logit_softcapping``; :func:`logit_softcap` reads it from the config).
 
     The one place the frozen LM head is applied to cached hidden states: the training recipe,
     losses and metrics (through ``train.losses.teacher_log_probs``) and the cache's own checks
@@ -461,12 +464,22 @@ def teacher_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
         hidden: ``(..., H)`` cached final hidden states (any float dtype).
         lm_head_weight: ``(V, H)`` the target's frozen LM-head weight.
         temperature: Softmax temperature (> 0).
+        softcap: the target's final logit soft-cap, or None (most targets).
 
     Returns:
         ``(..., V)`` fp32 logits; ``softmax`` of them is the teacher distribution of the next token.
     """
     logits = torch.nn.functional.linear(hidden.to(lm_head_weight.dtype), lm_head_weight)
+    if softcap:
+        logits = torch.tanh(logits.float() / softcap) * softcap
     return scale_logits(logits, temperature)
+
+
+def logit_softcap(config) -> float | None:
+    """A config's final logit soft-cap (``final_logit_softcapping``, Gemma 2), or None."""
+    config = getattr(config, "text_config", None) or config
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -481,6 +494,7 @@ __all__ = [
     "FeatureCacheError",
     "TargetMismatchError",
     "build_feature_cache",
+    "logit_softcap",
     "scale_logits",
     "teacher_logits",
 ]

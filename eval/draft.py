@@ -12,7 +12,8 @@ proposer from them.
 ``tree=auto`` means the same for every family: where the dynamic tree and the chain were both
 measured (or only the tree), the faster one; otherwise the family's default
 (``DraftFamily.tree_by_default``). A static tree (Medusa) has no chain to compare with on the
-measured grid, so ``auto`` drafts its tree.
+measured grid, so ``auto`` drafts its tree; a family without trees (DFlash) drafts its chain, and
+``tree=tree`` is refused for it.
 """
 from __future__ import annotations
 
@@ -272,6 +273,9 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     m, m_source = Measured.of(spec, dtype, device, temperature)
     k, k_source = resolve_k(cfg.get("k"), spec, dtype, device, temperature)
     mode = TreeMode.parse(cfg.get("tree", "auto"))
+    if family.tree is TreeKind.NONE and mode is TreeMode.TREE:
+        raise ValueError(f"tree=tree: a {family.name} draft drafts one chain per forward (no "
+                         "tree); use tree=chain or tree=auto")
     use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default)
     won = m.tree_won() if m is not None else None
     if mode is TreeMode.AUTO and family.tree is TreeKind.DYNAMIC and won is not None:
@@ -281,6 +285,7 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     if batch_size > 1 and mode is TreeMode.AUTO:  # batches draft chains unless a tree won there
         use_tree = (b_tree is not None and b_tree.wins
                     and cfg.get("batch_layout", "padded") != "packed")  # trees: padded only
+    use_tree = use_tree and family.tree is not TreeKind.NONE  # whatever was measured
     tree_size = cfg.get("tree_size")
     branching = tuple(int(b) for b in (cfg.get("medusa_branching") or DEFAULT_MEDUSA_BRANCHING))
     from_tree = use_tree and m is not None and m.tree is not None

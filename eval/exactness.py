@@ -43,7 +43,8 @@ from eval.stats import DecodeStats
 from heads.family import TreeKind, get_family
 
 # decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too
-TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",)}
+TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",),
+              TreeKind.NONE: ("chain",)}
 
 
 # ----------------------------------------------------------------------------- tie logic

@@ -100,7 +100,8 @@ def tree_shapes(family: DraftFamily, cfg: DictConfig, head_config: Any) -> list[
     (plus ``"branching"`` for Medusa): EAGLE and draft LM, the dynamic tree at each (depth, size)
     of ``tree_depths`` x ``tree_sizes`` (a size larger than a depth can hold, ``topk`` nodes per
     expanded node and ``topk`` expanded per depth, is the full tree of that depth and is tried
-    once); Medusa, each of ``medusa_branchings`` that the heads can serve."""
+    once); Medusa, each of ``medusa_branchings`` that the heads can serve; none for a family
+    that drafts chains only (DFlash)."""
     shapes: list[dict[str, Any]] = []
     if family.tree is TreeKind.DYNAMIC:
         topk = int(cfg.tree_topk)
@@ -111,7 +112,7 @@ def tree_shapes(family: DraftFamily, cfg: DictConfig, head_config: Any) -> list[
             sizes = [n for n in sizes if n <= cap] + ([] if cap in sizes else over)
             shapes += [{"depth": depth, "total_tokens": n,
                         "overrides": {"tree": "tree", "tree_size": n}} for n in sizes]
-    else:
+    elif family.tree is TreeKind.STATIC:
         longest = family.max_draft_length(head_config)
         for b in cfg.medusa_branchings:
             b = [int(x) for x in b]

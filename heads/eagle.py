@@ -139,6 +139,16 @@ def auto_fuse_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+AUTO_DRAFT_VOCAB = 32768  # EAGLE-3's reduced vocabulary for Llama 3's 128k-id vocabulary
+
+
+def auto_draft_vocab_size(vocab_size: int) -> int | None:
+    """``draft_vocab_size: auto``: the target's own vocabulary (None) up to
+    :data:`AUTO_DRAFT_VOCAB` ids, else that many of the training data's most frequent ids
+    (SmolLM2's 49,152: 32,768; Gemma 3's 262,144: 32,768, an eighth of its LM-head rows)."""
+    return None if vocab_size <= AUTO_DRAFT_VOCAB else AUTO_DRAFT_VOCAB
+
+
 @torch.no_grad()
 def effective_norm_weight(norm: nn.Module, hidden_size: int) -> Tensor:
     """The per-channel scale an RMS norm applies, read by probing it (a Llama norm multiplies by

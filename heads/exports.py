@@ -1,8 +1,8 @@
 """Read an export back into draftsmith's heads, and the layout facts writer and reader share.
 
 ``scripts/export.py`` writes a draft package in a serving engine's layout (``hf``, ``medusa``,
-``eagle``, ``eagle3``, ``speculators``); :func:`import_export` loads such a folder as the same
-:class:`~heads.package.DraftPackage` that :func:`heads.package.load_package` returns, so
+``eagle``, ``eagle3``, ``speculators``, ``dflash``); :func:`import_export` loads such a folder as
+the same :class:`~heads.package.DraftPackage` that :func:`heads.package.load_package` returns, so
 ``eval/decode.py draft=EXPORT`` decodes from it. The full layout specification (config keys,
 tensor names and shapes, sources) is ``scripts/export_layouts.py``.
 """
@@ -25,7 +25,7 @@ from heads.package import DraftPackage, check_target, target_config, verify_pack
 FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
 WEIGHTS_FILE = {"hf": WEIGHTS, "gguf": "draft.gguf", "eagle": WEIGHTS, "eagle3": WEIGHTS,
-                "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS}
+                "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS, "dflash": WEIGHTS}
 # Tensors of the EAGLE-1 decoder layer (``layers.0.*``; draftsmith's head names it ``layer.*``).
 EAGLE1_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
@@ -172,8 +172,21 @@ def _read_speculators(weights: Path, family: DraftFamily, cfg: Any, info: dict,
     return _eagle1_head(state, family, cfg, info, target)
 
 
+def _read_dflash(weights: Path, family: DraftFamily, cfg: Any, info: dict,
+                 target: Any) -> nn.Module:
+    """speculators' ``dflash`` tensors carry the drafter's own names; ``fc``'s column blocks go
+    from ascending layer order back to ``fuse_layers`` order."""
+    module = family.empty_head(cfg, info["target"], target_config(info, target),
+                               None if target is None else target.model)
+    state = {k: v.float() for k, v in load_file(str(weights)).items()}
+    fuse = list(cfg.fuse_layers)
+    state["fc.weight"] = fc_columns(state["fc.weight"], sorted(fuse), fuse)
+    family.load_state(module, cfg, state)
+    return module
+
+
 READERS = {"hf": _read_hf, "gguf": _read_gguf, "medusa": _read_medusa, "eagle": _read_eagle,
-           "eagle3": _read_eagle3, "speculators": _read_speculators}
+           "eagle3": _read_eagle3, "speculators": _read_speculators, "dflash": _read_dflash}
 
 
 def import_export(path: str | Path, target: Any = None, allow_unverified: bool = False,

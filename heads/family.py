@@ -16,177 +16,51 @@ registries as lazily resolved names.
 """
 from __future__ import annotations
 
-import abc
-import enum
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from heads import draft_lm, eagle, medusa
+from heads import dflash, draft_lm, eagle, medusa
+from heads.family_base import WEIGHTS, DraftFamily, HeadStateError, TreeKind
+
+__all__ = ["FAMILIES", "WEIGHTS", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
+           "HeadStateError", "MedusaFamily", "TreeKind", "get_family"]
 
 log = logging.getLogger(__name__)
-WEIGHTS = "model.safetensors"  # a head's stored tensors inside a package
 
 
-class TreeKind(enum.Enum):
-    """How a family drafts a tree: a dynamic top-k tree from the draft's own scores (draft LM,
-    EAGLE-2) or a static branching of per-position candidates (Medusa)."""
+def resolve_fuse_layers(raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
+    """``draft.config`` with ``fuse_layers: auto`` replaced by EAGLE-3's low / middle / high
+    hidden-state ids of the target (``heads.eagle.auto_fuse_layers``), the choice logged."""
+    raw = dict(raw)
+    if raw.get("fuse_layers") == "auto":
+        from heads.draft_config import text_config
 
-    DYNAMIC = "dynamic"
-    STATIC = "static"
+        n = int(text_config(target_config).num_hidden_layers)
+        raw["fuse_layers"] = eagle.auto_fuse_layers(n)
+        log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
+                 raw["fuse_layers"], n)
+    return raw
 
 
-class HeadStateError(ValueError):
-    """Stored tensors do not fit the head that the package's config describes."""
+def _fuse_layer_ids_fit(cfg: Mapping[str, Any], num_layers: int) -> None:
+    fuse = cfg.get("fuse_layers")
+    bad = [] if fuse == "auto" else [i for i in (fuse or []) if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"draft.config.fuse_layers has ids {bad} outside the target's "
+                         f"0..{num_layers}")
 
 
-class DraftFamily(abc.ABC):
-    """One draft family. Subclasses set the class attributes and override the hooks they need.
-
-    Attributes:
-        name: the family's name in configs and packages (``draft.kind``, ``draft_kind``).
-        config_class: its head config dataclass (``from_dict`` / ``to_dict``).
-        proposer: dotted path of its ``eval`` proposer class (``for_draft`` builds it).
-        tree: how it drafts trees.
-        tree_by_default: what ``tree=auto`` drafts when nothing was measured.
-        batched_tree: it drafts trees in batches too (``eval/decode.py batch_size=B tree=tree``).
-        draft_vocab: it can draft over the most frequent target ids at decode time.
-        hf_model: the module is a whole transformers causal LM (``save_pretrained``; it can be
-            transformers' ``assistant_model``).
-        export_formats: the ``scripts/export.py`` formats it can be written in.
-    """
-
-    name: ClassVar[str]
-    config_class: ClassVar[type]
-    proposer: ClassVar[str]
-    tree: ClassVar[TreeKind] = TreeKind.DYNAMIC
-    tree_by_default: ClassVar[bool] = False
-    batched_tree: ClassVar[bool] = False
-    draft_vocab: ClassVar[bool] = False
-    hf_model: ClassVar[bool] = False
-    export_formats: ClassVar[tuple[str, ...]] = ()
-
-    distill_targets: ClassVar[Callable[..., list]]
-
-    # ------------------------------------------------------------------ training
-    def resolve_config(self, raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
-        """``draft.config`` with the values derived from the target filled in (``auto``)."""
-        return dict(raw)
-
-    def head_config(self, raw: Mapping[str, Any], target_config: Any) -> Any:
-        """The head config from ``draft.config`` values (``_target_`` already removed)."""
-        return self.config_class(**self.resolve_config(raw, target_config))
-
-    @abc.abstractmethod
-    def build(self, head_config: Any, target_model: nn.Module,
-              token_counts: Tensor | None = None) -> nn.Module:
-        """A fresh trainable module for ``target_model`` (frozen parts taken from it)."""
-
-    def needs_token_counts(self, head_config: Any) -> bool:
-        """Whether :meth:`build` needs the training split's token counts."""
-        return False
-
-    def for_training(self, module: nn.Module, draft_cfg: Mapping[str, Any]) -> nn.Module:
-        """The module as it trains (e.g. wrapped with LoRA adapters); default unchanged."""
-        return module
-
-    def num_positions(self, head_config: Any, requested: int) -> int:
-        """Draft positions trained per token (``draft.num_positions``, capped by the head)."""
-        return requested
-
-    def default_position_weights(self, head_config: Any, n: int) -> list[float]:
-        return [0.8 ** i for i in range(n)]
-
-    def distill_extra(self, n: int, layer_ids: list[int] | None) -> dict[str, Any]:
-        """Extra keyword arguments of ``distill_targets`` during training."""
-        return {}
-
-    def draft_to_target(self, module: nn.Module, head_config: Any) -> Tensor | None:
-        """(V_draft,) target id of each draft id for a reduced-vocabulary head, else None."""
-        return None
-
-    def validate(self, draft_cfg: Mapping[str, Any]) -> None:
-        """Check ``draft.config`` values before anything loads; raise ValueError naming the fix."""
-
-    def validate_against_target(self, draft_cfg: Mapping[str, Any], vocab_size: int,
-                                hidden_size: int, num_layers: int) -> None:
-        """Check ``draft.config`` values that depend on the target; raise ValueError."""
-
-    def check_init_from(self, package_config: Any, draft_cfg: Mapping[str, Any],
-                        where: str) -> None:
-        """Refuse continuing from a package whose head cannot use this run's data."""
-
-    # ------------------------------------------------------------------ packages
-    def saved_state(self, module: nn.Module, head_config: Any) -> dict[str, Tensor]:
-        """The tensors a package stores (frozen parts copied from the target left out)."""
-        state = module.state_dict()
-        # safetensors refuses shared or non-contiguous storage: store independent copies
-        return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-
-    def target_config_of(self, module: nn.Module) -> Any:
-        """The target's model config as far as the module holds it (None: it holds none)."""
-        return None
-
-    def draft_config_of(self, module: nn.Module) -> dict[str, Any] | None:
-        """The draft's own model config, derived from the target's and recorded explicitly in
-        the package (``draft_config``): widths, heads, head dim, RoPE, norm eps, activation,
-        vocabulary, and the class (``architectures``). None: the family has none."""
-        config = getattr(module, "config", None)
-        if config is None or not hasattr(config, "to_dict"):
-            return None
-        d = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
-        if not d.get("architectures") and type(module).__name__.endswith("ForCausalLM"):
-            d["architectures"] = [type(module).__name__]
-        return d
-
-    @abc.abstractmethod
-    def empty_head(self, head_config: Any, identity: Mapping[str, Any], target_config: Any,
-                   target_model: nn.Module | None) -> nn.Module:
-        """An untrained head of the stored shapes, frozen parts attached from ``target_model``."""
-
-    def save(self, module: nn.Module, head_config: Any, folder, tokenizer: Any = None) -> None:
-        """Write the module's weights into ``folder``."""
-        from safetensors.torch import save_file
-
-        save_file(self.saved_state(module, head_config), str(folder / WEIGHTS),
-                  metadata={"format": "pt", "draft_kind": self.name})
-
-    def load(self, folder, head_config: Any, identity: Mapping[str, Any], target_config: Any,
-             target_model: nn.Module | None) -> nn.Module:
-        """The module stored in ``folder`` (fp32). Raises HeadStateError on a misfit."""
-        from safetensors.torch import load_file
-
-        head = self.empty_head(head_config, identity, target_config, target_model)
-        self.load_state(head, head_config, load_file(str(folder / WEIGHTS)))
-        return head
-
-    def load_state(self, module: nn.Module, head_config: Any, state: dict[str, Tensor]) -> None:
-        """Load stored tensors into a head; the only keys allowed to be absent are frozen parts."""
-        expected = set(self.saved_state(module, head_config))
-        missing = sorted(expected - set(state))
-        unexpected = sorted(set(state) - set(module.state_dict()))
-        if missing or unexpected:
-            raise HeadStateError(f"weights do not fit a {self.name} head with config "
-                                 f"{head_config.to_dict()}: missing {missing[:8]}, unexpected "
-                                 f"{unexpected[:8]}")
-        own = module.state_dict()
-        bad = [f"{k}: stored {tuple(v.shape)}, head expects {tuple(own[k].shape)}"
-               for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
-        if bad:
-            raise HeadStateError(f"tensor shapes do not fit the head: {bad[:8]}")
-        module.load_state_dict(state, strict=False)
-
-    # ------------------------------------------------------------------ decoding
-    def max_draft_length(self, head_config: Any) -> int | None:
-        """The longest chain the head can draft (None: unbounded)."""
-        return None
-
-    def default_draft_length(self, head_config: Any) -> int:
-        """The draft length an export advertises when none was measured."""
-        return self.max_draft_length(head_config) or 3
+def _same_fuse_layers(package_config: Any, draft_cfg: Mapping[str, Any], where: str) -> None:
+    want = list((draft_cfg.get("config") or {}).get("fuse_layers") or [])
+    have = list(package_config.fuse_layers or [])
+    if want != have:
+        raise ValueError(f"draft.init_from={where} fuses target layers {have or 'none'} but "
+                         f"draft.config.fuse_layers is {want or 'null'}: set "
+                         f"draft.config.fuse_layers={have or 'null'} so the feature cache "
+                         "holds the layers the head reads")
 
 
 # ----------------------------------------------------------------------------- the families
@@ -347,15 +221,17 @@ class EagleFamily(DraftFamily):
         return head_config.draft_vocab_size is not None
 
     def resolve_config(self, raw, target_config):
-        """``fuse_layers: auto`` becomes EAGLE-3's low / middle / high layers of the target."""
-        raw = dict(raw)
-        if raw.get("fuse_layers") == "auto":
+        """``fuse_layers: auto`` becomes EAGLE-3's low / middle / high layers of the target;
+        ``draft_vocab_size: auto`` the target's vocabulary up to 32,768 ids, else 32,768 of its
+        most frequent (``heads.eagle.auto_draft_vocab_size``)."""
+        raw = resolve_fuse_layers(raw, target_config)
+        if raw.get("draft_vocab_size") == "auto":
             from heads.draft_config import text_config
 
-            n = int(text_config(target_config).num_hidden_layers)
-            raw["fuse_layers"] = eagle.auto_fuse_layers(n)
-            log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
-                     raw["fuse_layers"], n)
+            vocab = int(text_config(target_config).vocab_size)
+            raw["draft_vocab_size"] = eagle.auto_draft_vocab_size(vocab)
+            log.info("draft.config.draft_vocab_size=auto -> %s (a vocabulary of %d ids)",
+                     raw["draft_vocab_size"] or "null: the target's own", vocab)
         return raw
 
     def distill_extra(self, n, layer_ids):
@@ -368,30 +244,20 @@ class EagleFamily(DraftFamily):
 
     def validate(self, draft_cfg):
         vocab = (draft_cfg.get("config") or {}).get("draft_vocab_size")
-        if vocab is not None and (not isinstance(vocab, int) or vocab <= 0):
-            raise ValueError(f"draft.config.draft_vocab_size={vocab!r} must be null or a positive "
-                             "integer")
+        if vocab not in (None, "auto") and (not isinstance(vocab, int) or vocab <= 0):
+            raise ValueError(f"draft.config.draft_vocab_size={vocab!r} must be null, auto or a "
+                             "positive integer")
 
     def validate_against_target(self, draft_cfg, vocab_size, hidden_size, num_layers):
         cfg = draft_cfg.get("config") or {}
         vocab = cfg.get("draft_vocab_size")
-        if vocab is not None and vocab > vocab_size:
+        if isinstance(vocab, int) and vocab > vocab_size:
             raise ValueError(f"draft.config.draft_vocab_size={vocab} exceeds the target's "
                              f"vocabulary ({vocab_size}); use a value <= {vocab_size} or null")
-        fuse = cfg.get("fuse_layers")
-        bad = [] if fuse == "auto" else [i for i in (fuse or []) if not 0 <= i <= num_layers]
-        if bad:
-            raise ValueError(f"draft.config.fuse_layers has ids {bad} outside the target's "
-                             f"0..{num_layers}")
+        _fuse_layer_ids_fit(cfg, num_layers)
 
     def check_init_from(self, package_config, draft_cfg, where):
-        want = list((draft_cfg.get("config") or {}).get("fuse_layers") or [])
-        have = list(package_config.fuse_layers or [])
-        if want != have:
-            raise ValueError(f"draft.init_from={where} fuses target layers {have or 'none'} but "
-                             f"draft.config.fuse_layers is {want or 'null'}: set "
-                             f"draft.config.fuse_layers={have or 'null'} so the feature cache "
-                             "holds the layers the head reads")
+        _same_fuse_layers(package_config, draft_cfg, where)
 
     def saved_state(self, module, head_config):
         """Leaves out ``embed_tokens.*`` always and ``lm_head.*`` when the head uses the target's
@@ -417,8 +283,92 @@ class EagleFamily(DraftFamily):
         return head
 
 
+class DFlashFamily(DraftFamily):
+    """A DFlash block drafter (``heads/dflash.py``): one forward drafts a chain of B-1 tokens."""
+
+    name = "dflash"
+    config_class = dflash.DFlashConfig
+    proposer = "eval.proposers_dflash.DFlashProposer"
+    tree = TreeKind.NONE
+    export_formats = ("dflash",)
+    distill_targets = staticmethod(dflash.distill_targets)
+
+    def resolve_config(self, raw, target_config):
+        """``fuse_layers: auto`` as EAGLE-3's; ``mask_token_id: auto`` (or null) becomes the
+        target's pad id, else its EOS id (``heads.dflash.default_mask_token_id``)."""
+        raw = resolve_fuse_layers({"fuse_layers": "auto", **raw}, target_config)
+        if raw.get("mask_token_id", "auto") in (None, "auto"):
+            raw["mask_token_id"] = dflash.default_mask_token_id(target_config)
+            log.info("draft.config.mask_token_id=auto -> %d (the target's pad id, else EOS id)",
+                     raw["mask_token_id"])
+        return raw
+
+    def build(self, head_config, target_model, token_counts=None):
+        return dflash.build_dflash(head_config, target_model)
+
+    def num_positions(self, head_config, requested):
+        return min(requested, int(head_config.block_size) - 1)
+
+    def default_position_weights(self, head_config, n):
+        return head_config.position_weights(n)
+
+    def distill_extra(self, n, layer_ids):
+        return {"num_steps": n, "layer_ids": layer_ids}
+
+    def validate(self, draft_cfg):
+        cfg = dflash.DFlashConfig.from_dict(dict(draft_cfg.get("config") or {}))
+        n = draft_cfg.get("num_positions")
+        if n is not None and n != cfg.block_size - 1:
+            raise ValueError(f"draft.num_positions={n} must be draft.config.block_size - 1 = "
+                             f"{cfg.block_size - 1}: every mask slot of a block is trained and "
+                             f"validated; set draft.num_positions={cfg.block_size - 1}")
+
+    def validate_against_target(self, draft_cfg, vocab_size, hidden_size, num_layers):
+        cfg = draft_cfg.get("config") or {}
+        _fuse_layer_ids_fit(cfg, num_layers)
+        mask = cfg.get("mask_token_id")
+        if isinstance(mask, int) and not 0 <= mask < vocab_size:
+            raise ValueError(f"draft.config.mask_token_id={mask} is outside the target's "
+                             f"vocabulary (0..{vocab_size - 1})")
+
+    def check_init_from(self, package_config, draft_cfg, where):
+        _same_fuse_layers(package_config, draft_cfg, where)
+        n = draft_cfg.get("num_positions")
+        if n is not None and n != package_config.block_size - 1:
+            raise ValueError(f"draft.init_from={where} drafts blocks of {package_config.block_size}"
+                             f" tokens: set draft.num_positions={package_config.block_size - 1}")
+
+    def saved_state(self, module, head_config):
+        """Leaves out the target's embedding and LM head (re-attached on load)."""
+        return {k: v for k, v in super().saved_state(module, head_config).items()
+                if not k.startswith(("embed_tokens.", "lm_head."))}
+
+    def target_config_of(self, module):
+        return module.config  # the derived layer config (the target's widths, heads, RoPE)
+
+    def draft_config_of(self, module):
+        return {**super().draft_config_of(module), "architectures": [type(module).__name__]}
+
+    def empty_head(self, head_config, identity, target_config, target_model):
+        if target_config is None:
+            raise ValueError("this package stores no target_config: pass target=... to load it")
+        head = dflash.DFlashDrafter(head_config, target_config)
+        if target_model is not None:
+            head.attach_target(target_model)
+        else:
+            log.warning("DFlash package loaded without its target: embedding and LM head are "
+                        "unset; call module.attach_target(target_model) before decoding")
+        return head
+
+    def max_draft_length(self, head_config):
+        return int(head_config.block_size) - 1
+
+    def engine_draft_length(self, head_config):
+        return int(head_config.block_size) - 1  # vLLM's block: the bonus token + K mask slots
+
+
 FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (DraftLMFamily(), MedusaFamily(),
-                                                         EagleFamily())}
+                                                         EagleFamily(), DFlashFamily())}
 
 
 def get_family(name: str) -> DraftFamily:

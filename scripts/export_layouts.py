@@ -50,6 +50,20 @@ in the public index):
   ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``,
   ``eagle_aux_hidden_state_layer_ids``, ``speculators_config`` (vllm ``transformers_utils/
   configs/speculators/algos.py`` maps it onto the EAGLE-3 model above).
+* ``dflash`` (speculators ``dflash``, vLLM 0.32 ``model_executor/models/qwen3_dflash.py``
+  ``DFlashQwen3ForCausalLM``, config mapped by ``transformers_utils/configs/speculators/algos.py``
+  ``update_dflash``; speculators 0.9.0 ``src/speculators/models/dflash/``): ``fc (H, k*H)`` over
+  the captured layers (``aux_hidden_state_layer_ids``, ascending; vLLM id k = the input of target
+  layer k = transformers' ``hidden_states[k]``; vLLM derives z-lab's ``target_layer_ids`` as
+  k - 1), ``hidden_norm``, ``norm`` and per layer ``layers.{i}.input_layernorm``,
+  ``post_attention_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm (head_dim,)``
+  and ``mlp.{gate,up,down}_proj``, no ``model.`` prefix (vLLM adds it); no ``embed_tokens`` /
+  ``lm_head`` = the verifier's, shared. Config: ``speculators_model_type: dflash``,
+  ``transformer_layer_config`` (a Qwen3 config), ``draft_vocab_size``, ``block_size``,
+  ``target_hidden_size``, ``aux_hidden_state_layer_ids``, ``mask_token_id`` (required by vLLM),
+  ``sample_from_anchor``, ``sliding_window_non_causal`` (vLLM makes the layers causal unless
+  true) and ``speculators_config`` with ``speculative_tokens = block_size - 1`` (vLLM's query
+  block is the bonus token plus that many mask slots).
 """
 from __future__ import annotations
 
@@ -71,6 +85,10 @@ REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {
                     "transformer_layer_config", "speculators_config"),
     "medusa": ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
                "vocab_size", "architectures", "model_type"),
+    "dflash": ("architectures", "speculators_model_type", "speculators_version",
+               "transformer_layer_config", "speculators_config", "draft_vocab_size", "block_size",
+               "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
+               "sample_from_anchor", "sliding_window_non_causal"),
 }
 # Files each format must contain besides manifest.json.
 REQUIRED_FILES: dict[str, tuple[str, ...]] = {
@@ -79,6 +97,7 @@ REQUIRED_FILES: dict[str, tuple[str, ...]] = {
     "eagle3": ("config.json", WEIGHTS),
     "speculators": ("config.json", WEIGHTS),
     "medusa": ("config.json", MEDUSA_WEIGHTS),
+    "dflash": ("config.json", WEIGHTS),
 }
 
 
@@ -180,8 +199,25 @@ def medusa_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
     return out
 
 
+def dflash_tensors(cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``format=dflash``: fc over the captured layers, hidden_norm, norm and the Qwen3-style
+    layers with per-head q / k norms (embedding and LM head: the verifier's)."""
+    layer_cfg = cfg["transformer_layer_config"]
+    h, *_ = _dims(layer_cfg)
+    hd = layer_cfg.get("head_dim") or h // layer_cfg["num_attention_heads"]
+    k = len(cfg["aux_hidden_state_layer_ids"])
+    out = {"fc.weight": (h, k * cfg["target_hidden_size"]), "hidden_norm.weight": (h,),
+           "norm.weight": (h,)}
+    for i in range(layer_cfg["num_hidden_layers"]):
+        out.update(decoder_layer(f"layers.{i}.", layer_cfg))
+        out.update({f"layers.{i}.self_attn.q_norm.weight": (hd,),
+                    f"layers.{i}.self_attn.k_norm.weight": (hd,)})
+    return out
+
+
 EXPECTED_TENSORS = {"hf": hf_tensors, "eagle": eagle_tensors, "eagle3": eagle3_tensors,
-                    "speculators": speculators_tensors, "medusa": medusa_tensors}
+                    "speculators": speculators_tensors, "medusa": medusa_tensors,
+                    "dflash": dflash_tensors}
 
 
 def layout_problems(fmt: str, config: dict[str, Any], shapes: dict[str, tuple]) -> list[str]:

@@ -153,8 +153,8 @@ def decode_setup(tmp_path_factory):
 
 
 def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
-    """The ``kind`` ("lm", "medusa", "eagle") package on ``decode_setup``'s target and the
-    export format that reads back as it."""
+    """The ``kind`` ("lm", "medusa", "eagle", "dflash") package on ``decode_setup``'s target and
+    the export format that reads back as it."""
     from heads.eagle import EagleConfig, build_eagle
     from heads.medusa import MedusaConfig, build_medusa
     from heads.package import save_package
@@ -165,6 +165,12 @@ def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
     if kind == "medusa":
         cfg = MedusaConfig(num_heads=3, num_layers=1)
         module, fmt = randomize(build_medusa(cfg, model), seed=2), "medusa"
+    elif kind == "dflash":  # masked with the EOS id: the target's padding row is all zeros
+        from heads.family import get_family
+
+        family = get_family("dflash")
+        cfg = family.head_config({"block_size": 4, "mask_token_id": 2}, model.config)
+        module, fmt = randomize(family.build(cfg, model), seed=4), "dflash"
     else:
         cfg = EagleConfig()
         module, fmt = randomize(build_eagle(cfg, model), seed=3), "eagle"

@@ -116,7 +116,8 @@ RESUME_FREE_KEYS = ("name", "out_dir", "train.memory_check", "logging", "train.l
 GROWING_KEYS = ("train.max_steps",)
 # ``auto`` in this run matches whatever the checkpoint's run measured (and recorded) for it.
 AUTO_KEYS = ("target.dtype", "train.mixed_precision", "draft.config.fuse_layers",
-             "draft.config.lm_head", "data.cache.dtype")
+             "draft.config.lm_head", "draft.config.draft_vocab_size", "draft.config.mask_token_id",
+             "data.cache.dtype")
 # What a run writes into out_dir besides Hydra's own folder: moved aside when a run starts over.
 RUN_FILES = ("checkpoints", "train_log.jsonl", "validation_init.json", "validation.json",
              "summary.json", "draft")

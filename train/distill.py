@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.feature_data import open_features
-from data.features import teacher_logits
+from data.features import logit_softcap, teacher_logits
 from heads.manifest import write_json_atomic
 from train import checkpoint as ckpt
 from train.config import (
@@ -57,6 +57,7 @@ from train.runtime import (
     peer_lost,
     rank_placement,
     reexec_with_tuned_malloc,
+    trim_freed_memory,
 )
 from train.trainable import build_trainable
 
@@ -137,7 +138,8 @@ class DistillRecipe:
         torch.manual_seed(cfg.seed)
         self.draft = build_trainable(cfg, self.target, self.train_set)
         self.lm_head = self.target.model.get_output_embeddings().weight.detach().to(acc.device)
-        self.loss_fn = hydra.utils.instantiate(cfg.loss)
+        self.softcap = logit_softcap(self.target.model.config)  # Gemma 2 caps its logits
+        self.loss_fn = hydra.utils.instantiate(cfg.loss, softcap=self.softcap)
         check_memory(self.cfg, self.target.model, self.draft, self.accelerator)  # or refuse
 
         # 4. optimizer and schedule (the scheduler is stepped once per optimizer step by hand, so
@@ -213,8 +215,7 @@ class DistillRecipe:
         average the gradients, N processes make the same update as one process on the union of
         their batches, whatever the padding.
 
-        Returns (loss, parts, n_tokens): parts holds per-position local loss values for logging,
-        n_tokens the global count of position-1 tokens.
+        Returns (loss, parts: per-position local losses, n_tokens: global position-1 tokens).
         """
         acc = self.accelerator
         outputs = self.draft.forward(batch)
@@ -242,8 +243,7 @@ class DistillRecipe:
                                   teacher_logp_index=rows[k][None], draft_to_target=d2t,
                                   labels=labels, recompute=recompute)
             elif not recompute and student.shape[1] * self.lm_head.shape[0] <= budget:
-                with torch.no_grad():
-                    teacher = teacher_logits(t_hidden, self.lm_head)
+                teacher = teacher_logits(t_hidden, self.lm_head, softcap=self.softcap).detach()
                 lk = self.loss_fn(student, teacher, None, draft_to_target=d2t, labels=labels)
             else:
                 lk = self.loss_fn(student, None, None, teacher_hidden=t_hidden,
@@ -276,7 +276,7 @@ class DistillRecipe:
         lse = batch.get("teacher_lse") if self.cfg.train.teacher_lse else None  # cache format 2
         return shared_teacher_rows(hidden, rows, self.lm_head, self.loss_fn.temperature,
                                    self.draft.draft_to_target, self.loss_fn.renormalize,
-                                   log_normalizer=None if lse is None else lse.flatten())
+                                   None, None if lse is None else lse.flatten(), self.softcap)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -299,8 +299,8 @@ class DistillRecipe:
                 outputs = self.draft.forward(batch)
             stats = [acceptance_stats(pos.draft_logits, pos.mask, pos.teacher_hidden,
                                       self.lm_head, temperature=temp,
-                                      draft_to_target=self.draft.draft_to_target)
-                     for pos in outputs]
+                                      draft_to_target=self.draft.draft_to_target,
+                                      softcap=self.softcap) for pos in outputs]
             # (K, 3): per position, the sums of acceptance, of top-1 agreement and the count
             batch_sums = torch.stack([torch.stack(tuple(st)) for st in stats]).to(
                 acc.device, torch.float64)
@@ -350,8 +350,7 @@ class DistillRecipe:
         start_tokens, t0, start_step = self.tokens_trained, time.perf_counter(), self.step
         while self.step < cfg.train.max_steps:
             step_parts: dict[str, float] = {}
-            # The first step of a run can count its FLOPs (matmuls and attention, forward and
-            # backward; the benchmark divides FLOP/s by the machine's measured GEMM rate).
+            # The first step can count its FLOPs (matmuls and attention, forward and backward)
             counting = cfg.train.count_flops and self.step == start_step
             counter = FlopCounterMode(display=False) if counting else contextlib.nullcontext()
             with counter:
@@ -409,6 +408,7 @@ class DistillRecipe:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             tokens += int(n_global.item())
+            trim_freed_memory()  # a fragmented tuned heap over half the memory: hand pages back
             for key, v in parts.items():
                 step_parts[key] = step_parts.get(key, 0.0) + v / cfg.train.grad_accum
         return tokens

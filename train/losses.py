@@ -46,7 +46,8 @@ LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")  # the config validat
 
 
 def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tensor | None = None,
-                      draft_to_target: Tensor | None = None, renormalize: bool = False) -> Tensor:
+                      draft_to_target: Tensor | None = None, renormalize: bool = False,
+                      softcap: float | None = None) -> Tensor:
     """Teacher log-probabilities over the draft vocabulary.
 
     Hidden states go through ``data.features.teacher_logits``, the one implementation of the
@@ -58,13 +59,15 @@ def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tenso
         lm_head_weight: (V, H) frozen LM head, or None when ``teacher`` holds logits.
         draft_to_target: (V_draft,) long target id of each draft id, or None (same vocabulary).
         renormalize: with a reduced vocabulary, renormalise over the draft ids (see module doc).
+        softcap: the target's final logit soft-cap (``data.features.logit_softcap``) or None;
+            applied to hidden-state teachers (logits given as ``teacher`` are taken as they are).
 
     Returns:
         (..., V_draft) float32 log-probabilities (not normalised when restricted without
         renormalising).
     """
     if lm_head_weight is not None:
-        logits = features.teacher_logits(teacher, lm_head_weight, temperature)
+        logits = features.teacher_logits(teacher, lm_head_weight, temperature, softcap)
     else:
         logits = features.scale_logits(teacher, temperature)
     if draft_to_target is None:
@@ -88,7 +91,8 @@ TEACHER_CHUNK_ELEMENTS = 1 << 26  # rows x vocabulary per teacher LM-head call (
 def shared_teacher_rows(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
                         temperature: float, draft_to_target: Tensor | None = None,
                         renormalize: bool = False, chunk_size: int | None = None,
-                        log_normalizer: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+                        log_normalizer: Tensor | None = None,
+                        softcap: float | None = None) -> tuple[Tensor, list[Tensor]]:
     """Teacher log-probabilities of the distinct rows several draft positions read, each row
     computed once, and where each position's entries find theirs.
 
@@ -113,6 +117,7 @@ def shared_teacher_rows(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tens
             None: ``TEACHER_CHUNK_ELEMENTS // V`` rows.
         log_normalizer: (R,) float32 ``teacher_lse`` of each row of ``hidden``, or None. Used
             only where it is exact: temperature 1, a reduced vocabulary, no renormalising.
+        softcap: the target's final logit soft-cap, or None.
 
     Returns:
         ``(log_p, index)``: (U, V_draft) float32 log-probabilities of the U distinct rows (as
@@ -131,11 +136,12 @@ def shared_teacher_rows(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tens
     for start in range(0, unique.numel(), chunk_size):
         c = unique[start:start + chunk_size]
         if lse_path:
-            log_p[start:start + c.numel()] = (features.teacher_logits(hidden[c], rows_w)
+            log_p[start:start + c.numel()] = (features.teacher_logits(hidden[c], rows_w,
+                                                                      softcap=softcap)
                                               - log_normalizer[c, None])
         else:
             log_p[start:start + c.numel()] = teacher_log_probs(
-                hidden[c], temperature, lm_head_weight, draft_to_target, renormalize)
+                hidden[c], temperature, lm_head_weight, draft_to_target, renormalize, softcap)
     return log_p, list(inverse.split([r.numel() for r in rows]))
 
 
@@ -251,11 +257,13 @@ class DistillLoss(nn.Module):
         chunk_size: positions along T per teacher chunk.
         fused: compute ``fkl`` with ``fused_forward_kl`` (hand-written gradient); False uses
             autograd through ``log_softmax`` (the reference it is tested against).
+        softcap: the target's final logit soft-cap for teachers given as hidden states (the
+            recipe passes ``data.features.logit_softcap(target config)``), or None.
     """
 
     def __init__(self, weights: dict[str, float], temperature: float = 1.0,
                  beta: float = 0.5, renormalize: bool = False, chunk_size: int = 256,
-                 fused: bool = True) -> None:
+                 fused: bool = True, softcap: float | None = None) -> None:
         super().__init__()
         unknown = set(weights) - set(LOSS_TERMS)
         if unknown:
@@ -274,6 +282,7 @@ class DistillLoss(nn.Module):
         self.renormalize = renormalize
         self.chunk_size = chunk_size
         self.fused = bool(fused)
+        self.softcap = float(softcap) if softcap else None
 
     def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
                 mask: Tensor | None = None, *, teacher_hidden: Tensor | None = None,
@@ -356,7 +365,7 @@ class DistillLoss(nn.Module):
             else:
                 with torch.no_grad():
                     log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
-                                              draft_to_target, self.renormalize)
+                                              draft_to_target, self.renormalize, self.softcap)
             if need_log_q:
                 log_q = torch.log_softmax(features.scale_logits(s, self.temperature), dim=-1)
             out = []

@@ -74,7 +74,7 @@ class AcceptanceStats(NamedTuple):
 def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor | None = None,
                      lm_head_weight: Tensor | None = None, teacher_logits: Tensor | None = None,
                      temperature: float = 1.0, draft_to_target: Tensor | None = None,
-                     chunk_size: int = 256) -> AcceptanceStats:
+                     chunk_size: int = 256, softcap: float | None = None) -> AcceptanceStats:
     """Expected acceptance and top-1 agreement of one draft position, in chunks over T.
 
     Args:
@@ -84,6 +84,7 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
         temperature: sampling temperature for both (0 = greedy: alpha is top-1 agreement).
         draft_to_target: (V_draft,) long target id of each draft id (reduced vocabulary).
         chunk_size: positions per chunk.
+        softcap: the target's final logit soft-cap (hidden-state teachers), or None.
 
     Returns:
         ``AcceptanceStats`` of sums over masked positions.
@@ -103,7 +104,8 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
         if not bool(m.any()):
             continue
         tau = temperature if temperature > 0 else 1.0
-        log_p = teacher_log_probs(teacher[:, sl], tau, lm_head_weight, None)  # (B, c, V)
+        log_p = teacher_log_probs(teacher[:, sl], tau, lm_head_weight, None,
+                                  softcap=softcap)  # (B, c, V)
         q_logits = draft_logits[:, sl].float()
         draft_top = q_logits.argmax(-1)
         if draft_to_target is not None:

@@ -230,6 +230,21 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(decode_setup, tmp_path):
                                "medusa_branchings=[[2,0]]"])
 
 
+def test_measure_and_decode_a_dflash_chain_and_its_export(decode_setup, tmp_path):
+    """A DFlash drafter measures chains only (K up to its block's B-1 = 3, no tree) and decodes
+    them, from the package and from its speculators export, greedily as plain decoding does."""
+    pkg, rec = _measure_copy(decode_setup, tmp_path, "dflash", "k_measure=5")
+    assert "tree" not in rec and rec["costs"]["t_verify_tree"] == {}
+    assert 0 <= rec["k_star"] <= 3 and len(rec["alpha"]) <= 3
+    summary = _decode(decode_setup, pkg, "limit=1", "k=3")["summary"]
+    assert (summary["draft_kind"], summary["k"], summary["matches_baseline"]) == ("dflash", 3, 1.0)
+    with pytest.raises(ValueError, match="tree=tree: a dflash draft drafts one chain"):
+        _decode(decode_setup, pkg, "limit=1", "tree=tree")
+    out = export_package(pkg, "dflash", tmp_path / "dflash-export")
+    summary = _decode(decode_setup, out, "limit=1", "k=3")["summary"]
+    assert (summary["draft_kind"], summary["matches_baseline"]) == ("dflash", 1.0)
+
+
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_draft_vocab_is_measured_and_decoded_losslessly(decode_setup, tmp_path, kind):
     import shutil

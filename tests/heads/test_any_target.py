@@ -4,7 +4,8 @@ For Llama, Qwen 2, Qwen 3, Mistral, Gemma 2, Gemma 3 and Phi-3 (a few layers eac
 the Gemmas with a sliding window shorter than the decoded sequences, Gemma 2 with final logit
 soft-capping, Gemma with a head dim that is not hidden / heads): each family trains a few steps,
 writes a package that loads back, decodes greedily identical to the target's own ``generate`` in
-fp32 (chain and tree), and the derived draft config and the exports carry the target's values.
+fp32 (chain, and tree where the family drafts trees), and the derived draft config and the
+exports carry the target's values.
 Twins: a draft layer with the wrong RoPE theta, or an export with the wrong layer ids, fails the
 same checks.
 """
@@ -28,10 +29,11 @@ from transformers import (
 from data.target import TargetIdentity
 from eval.decoder import SpeculativeDecoder
 from eval.proposers import DraftLMProposer
+from eval.proposers_dflash import DFlashProposer
 from eval.proposers_eagle import EagleProposer
 from eval.proposers_medusa import MedusaProposer, medusa_choices
 from heads.draft_config import draft_layer_config, rope_parameters
-from heads.family import get_family
+from heads.family import TreeKind, get_family
 from heads.package import load_package, save_package
 from train.trainable import DistillModule
 
@@ -80,7 +82,9 @@ def head_config(kind: str, model):
     raw = {"lm": {"num_layers": 2, "init": "target"},
            "medusa": {"num_heads": 3, "num_layers": 1},
            "eagle": {"layout": "eagle3", "fuse_layers": "auto", "draft_vocab_size": 64,
-                     "ttt_steps": 2}}[kind]
+                     "ttt_steps": 2},
+           # the mask: the EOS id (the pad id's row of these random targets is all zeros)
+           "dflash": {"fuse_layers": "auto", "block_size": 4, "mask_token_id": 2}}[kind]
     return family, family.head_config(raw, model.config)
 
 
@@ -123,6 +127,8 @@ def proposer(kind: str, module, cfg, tree: bool):
         return DraftLMProposer(module, VOCAB, tree=tree, topk=3, total_tokens=10)
     if kind == "medusa":
         return MedusaProposer(module, VOCAB, medusa_choices((3, 2, 1) if tree else (1, 1, 1)))
+    if kind == "dflash":
+        return DFlashProposer(module, VOCAB)
     return EagleProposer(module, VOCAB, tree=tree, topk=3, total_tokens=10)
 
 
@@ -138,15 +144,15 @@ def arch(request):
     return request.param
 
 
-@pytest.mark.parametrize("kind", ["lm", "medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["lm", "medusa", "eagle", "dflash"])
 def test_family_trains_saves_and_decodes_exactly(arch, kind, tmp_path):
     loaded = tiny_target(arch)
     model = loaded.model
-    _, cfg, draft = train_a_few_steps(kind, model)
+    family, cfg, draft = train_a_few_steps(kind, model)
     pkg_dir = save_package(tmp_path / kind, kind, draft, cfg, loaded.identity,
                            target_config=model.config)
     pkg = load_package(pkg_dir, target=loaded)
-    for tree in (False, True):
+    for tree in (False, True) if family.tree is not TreeKind.NONE else (False,):
         dec = SpeculativeDecoder(model, proposer(kind, pkg.module.eval(), pkg.head_config, tree),
                                  k=3, adaptive=False, fallback=False)
         for prompt in PROMPTS:
@@ -202,6 +208,28 @@ def test_exports_name_the_target_and_its_layers(arch, tmp_path):
                        / "config.json").read_text())
     assert check_layer_config(spec["transformer_layer_config"], tc) == []
     assert spec["eagle_aux_hidden_state_layer_ids"] == fuse
+    assert spec["speculators_config"]["verifier"]["architectures"] == [
+        type(loaded.model).__name__]
+
+
+def test_dflash_export_names_the_target_and_its_layers(arch, tmp_path):
+    """The DFlash export's Qwen3 layer config carries the target's widths, head dim and RoPE
+    (the activation is SiLU whatever the target's) and vLLM's layer ids."""
+    from scripts.export import export_package
+
+    loaded = tiny_target(arch)
+    tc = loaded.model.config
+    family, cfg = head_config("dflash", loaded.model)
+    pkg = save_package(tmp_path / "dflash", "dflash", family.build(cfg, loaded.model).eval(),
+                       cfg, loaded.identity, target_config=tc)
+    spec = json.loads((export_package(pkg, "dflash", tmp_path / "df", verifier="v")
+                       / "config.json").read_text())
+    layer = spec["transformer_layer_config"]
+    act = getattr(tc, "hidden_activation", None) or tc.hidden_act
+    assert check_layer_config({**layer, "hidden_act": act}, tc) == []
+    assert layer["hidden_act"] == "silu" and layer["model_type"] == "qwen3"
+    assert layer["rope_parameters"]["rope_theta"] == rope_parameters(tc)["rope_theta"]
+    assert spec["aux_hidden_state_layer_ids"] == sorted(cfg.fuse_layers) == [1, 2, 3]
     assert spec["speculators_config"]["verifier"]["architectures"] == [
         type(loaded.model).__name__]
 

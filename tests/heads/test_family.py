@@ -18,8 +18,10 @@ from heads.medusa import MedusaConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_CONF = REPO / "conf" / "draft"
-KINDS = ("lm", "medusa", "eagle")
+KINDS = ("lm", "medusa", "eagle", "dflash")
 LAYERS = 4  # conf/draft/lm.yaml asks for 4 target-initialised layers
+# the tiny target's padding row (dflash's default mask id) is all zeros: mask with its EOS id
+OVERRIDES = {"dflash": {"mask_token_id": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def _built(kind: str, target, seed: int = 1, **config):
     """The family, its head config (from the yaml's ``config:`` block, ``config`` overriding
     keys) and a built module with every trainable tensor moved off its initial value."""
     family = FAMILIES[kind]
-    raw = {**_draft_group(kind)["config"], **config}
+    raw = {**_draft_group(kind)["config"], **OVERRIDES.get(kind, {}), **config}
     head_cfg = family.head_config(raw, target.model.config)
     counts = None
     if family.needs_token_counts(head_cfg):
@@ -57,6 +59,9 @@ def _outputs(kind: str, module, target) -> torch.Tensor:
             return module(ids).logits
         if kind == "medusa":
             return module(features)
+        if kind == "dflash":  # blocks at two anchors per row over the fused target layers
+            fused = torch.randn(2, 7, module.fc.in_features, generator=g)
+            return module.compute_logits(module(fused, ids, torch.tensor([[1, 4], [2, 5]])))
         return module.compute_logits(module(features, ids))
 
 
@@ -117,8 +122,9 @@ def test_head_configs_from_the_draft_configs(target):
 # ----- build -> save -> load ---------------------------------------------------------------------
 @pytest.mark.parametrize("kind,config", [("lm", {}), ("medusa", {}), ("eagle", {}),
                                          ("eagle", {"draft_vocab_size": 40,
-                                                    "fuse_layers": [1, 2, 4]})],
-                         ids=["lm", "medusa", "eagle", "eagle-reduced-fused"])
+                                                    "fuse_layers": [1, 2, 4]}),
+                                         ("dflash", {"num_layers": 2, "fuse_layers": [3, 0]})],
+                         ids=["lm", "medusa", "eagle", "eagle-reduced-fused", "dflash"])
 def test_build_save_load_gives_identical_outputs(target, tmp_path, kind, config):
     family, head_cfg, module = _built(kind, target, **config)
     module.eval()
@@ -257,11 +263,12 @@ def test_export_formats_are_disjoint_and_each_names_its_family():
         for fmt in family.export_formats:
             assert format_family(fmt) is family
     assert {f.name: f.export_formats for f in FAMILIES.values()} == {
-        "lm": ("hf", "gguf"), "medusa": ("medusa",), "eagle": ("eagle", "eagle3", "speculators")}
+        "lm": ("hf", "gguf"), "medusa": ("medusa",), "eagle": ("eagle", "eagle3", "speculators"),
+        "dflash": ("dflash",)}
 
 
 def test_num_positions_and_default_position_weights_per_family():
-    lm, medusa, eagle = (FAMILIES[k] for k in KINDS)
+    lm, medusa, eagle = (FAMILIES[k] for k in KINDS[:3])
     lm_cfg = lm.config_class()
     assert [lm.num_positions(lm_cfg, n) for n in (1, 3)] == [1, 1]  # a chain draft: one token
     assert lm.default_position_weights(lm_cfg, 1) == [1.0]
@@ -285,11 +292,27 @@ def test_every_family_builds_an_empty_head_of_the_trained_shapes():
 
     target = make_tiny_target()
     tc = target.model.config
+    dflash = get_family("dflash").head_config({"mask_token_id": 2, "num_layers": 2}, tc)
     for kind, cfg in (("lm", DraftLMConfig.matching(tc, num_layers=1)), ("eagle", EagleConfig()),
-                      ("medusa", MedusaConfig(num_heads=2, num_layers=1))):
+                      ("medusa", MedusaConfig(num_heads=2, num_layers=1)), ("dflash", dflash)):
         family = get_family(kind)
         built = family.build(cfg, target.model).state_dict()
         empty = family.empty_head(cfg, target.identity.to_dict(), tc, target.model).state_dict()
         assert {k: v.shape for k, v in empty.items()} == {k: v.shape for k, v in built.items()}
     with pytest.raises(TypeError, match="abstract"):
         DraftFamily()
+
+
+def test_draft_vocab_size_auto_follows_the_target_vocabulary():
+    """``draft_vocab_size: auto``: the target's own vocabulary up to 32,768 ids, else 32,768 of
+    its most frequent (EAGLE-3's size for Llama 3), resolved from the target's config."""
+    from transformers import LlamaConfig
+
+    family = get_family("eagle")
+    family.validate({"config": {"draft_vocab_size": "auto"}})  # accepted before the target loads
+    small, big = LlamaConfig(vocab_size=32000), LlamaConfig(vocab_size=262144)
+    assert family.resolve_config({"draft_vocab_size": "auto"}, small)["draft_vocab_size"] is None
+    assert family.resolve_config({"draft_vocab_size": "auto"}, big)["draft_vocab_size"] == 32768
+    assert family.resolve_config({"draft_vocab_size": 512}, big)["draft_vocab_size"] == 512
+    with pytest.raises(ValueError, match="null, auto or a positive integer"):
+        family.validate({"config": {"draft_vocab_size": "most"}})

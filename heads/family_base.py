@@ -1,0 +1,180 @@
+"""The base of every draft family: :class:`DraftFamily` (what a family owns and the hooks it may
+override), how it drafts trees (:class:`TreeKind`) and the error a misfitting stored state raises.
+The families themselves and ``FAMILIES``, the one list: ``heads/family.py``.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+WEIGHTS = "model.safetensors"  # a head's stored tensors inside a package
+
+
+class TreeKind(enum.Enum):
+    """How a family drafts a tree: a dynamic top-k tree from the draft's own scores (draft LM,
+    EAGLE-2), a static branching of per-position candidates (Medusa), or none: it drafts chains
+    only (DFlash: one forward drafts one block, a single chain)."""
+
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+    NONE = "none"
+
+
+class HeadStateError(ValueError):
+    """Stored tensors do not fit the head that the package's config describes."""
+
+
+class DraftFamily(abc.ABC):
+    """One draft family. Subclasses set the class attributes and override the hooks they need.
+
+    Attributes:
+        name: the family's name in configs and packages (``draft.kind``, ``draft_kind``).
+        config_class: its head config dataclass (``from_dict`` / ``to_dict``).
+        proposer: dotted path of its ``eval`` proposer class (``for_draft`` builds it).
+        tree: how it drafts trees (``TreeKind.NONE``: chains only, ``tree=tree`` is refused).
+        tree_by_default: what ``tree=auto`` drafts when nothing was measured.
+        batched_tree: it drafts trees in batches too (``eval/decode.py batch_size=B tree=tree``).
+        draft_vocab: it can draft over the most frequent target ids at decode time.
+        hf_model: the module is a whole transformers causal LM (``save_pretrained``; it can be
+            transformers' ``assistant_model``).
+        export_formats: the ``scripts/export.py`` formats it can be written in.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    proposer: ClassVar[str]
+    tree: ClassVar[TreeKind] = TreeKind.DYNAMIC
+    tree_by_default: ClassVar[bool] = False
+    batched_tree: ClassVar[bool] = False
+    draft_vocab: ClassVar[bool] = False
+    hf_model: ClassVar[bool] = False
+    export_formats: ClassVar[tuple[str, ...]] = ()
+
+    distill_targets: ClassVar[Callable[..., list]]
+
+    # ------------------------------------------------------------------ training
+    def resolve_config(self, raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
+        """``draft.config`` with the values derived from the target filled in (``auto``)."""
+        return dict(raw)
+
+    def head_config(self, raw: Mapping[str, Any], target_config: Any) -> Any:
+        """The head config from ``draft.config`` values (``_target_`` already removed)."""
+        return self.config_class(**self.resolve_config(raw, target_config))
+
+    @abc.abstractmethod
+    def build(self, head_config: Any, target_model: nn.Module,
+              token_counts: Tensor | None = None) -> nn.Module:
+        """A fresh trainable module for ``target_model`` (frozen parts taken from it)."""
+
+    def needs_token_counts(self, head_config: Any) -> bool:
+        """Whether :meth:`build` needs the training split's token counts."""
+        return False
+
+    def for_training(self, module: nn.Module, draft_cfg: Mapping[str, Any]) -> nn.Module:
+        """The module as it trains (e.g. wrapped with LoRA adapters); default unchanged."""
+        return module
+
+    def num_positions(self, head_config: Any, requested: int) -> int:
+        """Draft positions trained per token (``draft.num_positions``, capped by the head)."""
+        return requested
+
+    def default_position_weights(self, head_config: Any, n: int) -> list[float]:
+        return [0.8 ** i for i in range(n)]
+
+    def distill_extra(self, n: int, layer_ids: list[int] | None) -> dict[str, Any]:
+        """Extra keyword arguments of ``distill_targets`` during training."""
+        return {}
+
+    def draft_to_target(self, module: nn.Module, head_config: Any) -> Tensor | None:
+        """(V_draft,) target id of each draft id for a reduced-vocabulary head, else None."""
+        return None
+
+    def validate(self, draft_cfg: Mapping[str, Any]) -> None:
+        """Check ``draft.config`` values before anything loads; raise ValueError naming the fix."""
+
+    def validate_against_target(self, draft_cfg: Mapping[str, Any], vocab_size: int,
+                                hidden_size: int, num_layers: int) -> None:
+        """Check ``draft.config`` values that depend on the target; raise ValueError."""
+
+    def check_init_from(self, package_config: Any, draft_cfg: Mapping[str, Any],
+                        where: str) -> None:
+        """Refuse continuing from a package whose head cannot use this run's data."""
+
+    # ------------------------------------------------------------------ packages
+    def saved_state(self, module: nn.Module, head_config: Any) -> dict[str, Tensor]:
+        """The tensors a package stores (frozen parts copied from the target left out)."""
+        state = module.state_dict()
+        # safetensors refuses shared or non-contiguous storage: store independent copies
+        return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+
+    def target_config_of(self, module: nn.Module) -> Any:
+        """The target's model config as far as the module holds it (None: it holds none)."""
+        return None
+
+    def draft_config_of(self, module: nn.Module) -> dict[str, Any] | None:
+        """The draft's own model config, derived from the target's and recorded explicitly in
+        the package (``draft_config``): widths, heads, head dim, RoPE, norm eps, activation,
+        vocabulary, and the class (``architectures``). None: the family has none."""
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            return None
+        d = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+        if not d.get("architectures") and type(module).__name__.endswith("ForCausalLM"):
+            d["architectures"] = [type(module).__name__]
+        return d
+
+    @abc.abstractmethod
+    def empty_head(self, head_config: Any, identity: Mapping[str, Any], target_config: Any,
+                   target_model: nn.Module | None) -> nn.Module:
+        """An untrained head of the stored shapes, frozen parts attached from ``target_model``."""
+
+    def save(self, module: nn.Module, head_config: Any, folder, tokenizer: Any = None) -> None:
+        """Write the module's weights into ``folder``."""
+        from safetensors.torch import save_file
+
+        save_file(self.saved_state(module, head_config), str(folder / WEIGHTS),
+                  metadata={"format": "pt", "draft_kind": self.name})
+
+    def load(self, folder, head_config: Any, identity: Mapping[str, Any], target_config: Any,
+             target_model: nn.Module | None) -> nn.Module:
+        """The module stored in ``folder`` (fp32). Raises HeadStateError on a misfit."""
+        from safetensors.torch import load_file
+
+        head = self.empty_head(head_config, identity, target_config, target_model)
+        self.load_state(head, head_config, load_file(str(folder / WEIGHTS)))
+        return head
+
+    def load_state(self, module: nn.Module, head_config: Any, state: dict[str, Tensor]) -> None:
+        """Load stored tensors into a head; the only keys allowed to be absent are frozen parts."""
+        expected = set(self.saved_state(module, head_config))
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - set(module.state_dict()))
+        if missing or unexpected:
+            raise HeadStateError(f"weights do not fit a {self.name} head with config "
+                                 f"{head_config.to_dict()}: missing {missing[:8]}, unexpected "
+                                 f"{unexpected[:8]}")
+        own = module.state_dict()
+        bad = [f"{k}: stored {tuple(v.shape)}, head expects {tuple(own[k].shape)}"
+               for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
+        if bad:
+            raise HeadStateError(f"tensor shapes do not fit the head: {bad[:8]}")
+        module.load_state_dict(state, strict=False)
+
+    # ------------------------------------------------------------------ decoding
+    def max_draft_length(self, head_config: Any) -> int | None:
+        """The longest chain the head can draft (None: unbounded)."""
+        return None
+
+    def engine_draft_length(self, head_config: Any) -> int | None:
+        """The draft length an export must advertise when the head fixes it (None: any K up to
+        :meth:`max_draft_length`, K* when measured). A block drafter's engines size the block
+        from it, so another value would change what the head computes."""
+        return None
+
+    def default_draft_length(self, head_config: Any) -> int:
+        """The draft length an export advertises when none was measured."""
+        return self.max_draft_length(head_config) or 3
