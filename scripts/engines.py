@@ -143,7 +143,13 @@ def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> dict:
         if not out_path.is_file():
             return {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-3000:]}"}
         res = json.loads(out_path.read_text())
-    return {**res["runs"][0], "version": res["version"]}
+    run = {**res["runs"][0], "version": res["version"]}
+    if run.get("error") and "root cause above" in run["error"]:
+        # vLLM's engine core reports why it failed only in its own log: keep those lines
+        causes = [line.strip() for line in (done.stdout + done.stderr).splitlines()
+                  if "Error" in line or "not supported" in line.lower()]
+        run["error"] += " | engine log: " + " / ".join(causes[-4:])[-1500:]
+    return run
 
 
 def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int,

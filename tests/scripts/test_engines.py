@@ -131,3 +131,26 @@ def test_each_format_runs_in_its_engine_the_way_the_engine_reads_it(tmp_path):
     gguf = engines.engine_run("gguf", tmp_path, 3)
     assert gguf["draft"] == str(tmp_path / "draft.gguf") and gguf["k"] == 3
     assert engines.LOADERS["speculators"] in engines.ENVS
+
+
+def test_an_engine_core_failure_keeps_its_root_cause(tmp_path, monkeypatch):
+    """vLLM says why its engine core failed only on stderr; the row keeps those lines (the
+    twin: a run whose error names its cause itself is left as it is)."""
+    import sys
+
+    runner = tmp_path / "fake_run.py"
+    runner.write_text(
+        "import json, sys\n"
+        "error = sys.argv[3] if len(sys.argv) > 3 else ''\n"
+        "print('INFO loading', file=sys.stderr)\n"
+        "print('ValueError: Gemma3ForCausalLM does not support EAGLE-3 yet', file=sys.stderr)\n"
+        "job = json.load(open(sys.argv[1]))\n"
+        "json.dump({'version': 'x', 'runs': [{'ok': False, 'error': job['error']}]},"
+        " open(sys.argv[2], 'w'))\n")
+    monkeypatch.setattr(engines, "RUNNERS", tmp_path)
+    python = Path(sys.executable)
+    core = "RuntimeError: Engine core initialization failed. See root cause above."
+    run = engines.run_engine("fake", python, {"error": core}, timeout_s=60)
+    assert "does not support EAGLE-3" in run["error"] and "INFO" not in run["error"]
+    own = engines.run_engine("fake", python, {"error": "ValueError: bad export"}, timeout_s=60)
+    assert own["error"] == "ValueError: bad export"
