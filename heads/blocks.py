@@ -10,10 +10,27 @@ Position conventions used by every family (see the ``distill_targets`` helpers):
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Any, NamedTuple, Self
 
 import torch
 from torch import Tensor
+
+
+class HeadConfig:
+    """Mixin for the families' head config dataclasses: ``to_dict`` / ``from_dict`` (unknown
+    keys refused with the allowed ones named), as packages store and read them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys {sorted(unknown)}; "
+                             f"allowed: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
 
 
 class DistillTarget(NamedTuple):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from heads.blocks import master_dtype
+from heads.blocks import HeadConfig, master_dtype
 from heads.dflash_train import (  # noqa: F401 (the family's training entry point lives there)
     block_attention_mask,
     distill_targets,
@@ -58,7 +58,7 @@ KVCache = list[tuple[Tensor, Tensor]]
 
 
 @dataclass
-class DFlashConfig:
+class DFlashConfig(HeadConfig):
     """DFlash drafter options.
 
     Attributes:
@@ -120,16 +120,6 @@ class DFlashConfig:
         """Default loss weight of slots 1..n: ``exp(-(k-1)/gamma)``."""
         return [math.exp(-(k - 1) / self.gamma) for k in range(1, n + 1)]
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown DFlashConfig keys {sorted(unknown)}; "
-                             f"allowed: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
 
 
 def default_mask_token_id(target_config: Any) -> int:

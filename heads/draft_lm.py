@@ -10,7 +10,7 @@ as a transformers ``assistant_model``; the package names its class (``config.jso
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from heads.blocks import (
     DistillTarget,
+    HeadConfig,
     master_dtype,
     pack_rows,
     shifted_labels,
@@ -31,7 +32,7 @@ INIT_CHOICES = ("random", "target")
 
 
 @dataclass
-class DraftLMConfig:
+class DraftLMConfig(HeadConfig):
     """Size and initialisation of a draft LM.
 
     Attributes:
@@ -75,16 +76,6 @@ class DraftLMConfig:
                              f"num_layers is {self.num_layers}; give one target layer per draft "
                              "layer or leave it empty for evenly spaced layers")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DraftLMConfig:
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown DraftLMConfig keys {sorted(unknown)}; "
-                             f"allowed: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
 
     @classmethod
     def matching(cls, target_config: Any, num_layers: int, **kw: Any) -> DraftLMConfig:

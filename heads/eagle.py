@@ -33,7 +33,7 @@ width. With k = 1 both widths are equal and ``fc`` serves both.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from heads.blocks import additive_mask, causal_allowed, master_dtype
+from heads.blocks import HeadConfig, additive_mask, causal_allowed, master_dtype
 from heads.draft_config import draft_layer_config
 from heads.eagle_ttt import (  # noqa: F401 (the family's training entry points live here too)
     distill_targets,
@@ -58,7 +58,7 @@ EAGLE_LAYOUTS = ("eagle1", "normed", "eagle3")
 
 
 @dataclass
-class EagleConfig:
+class EagleConfig(HeadConfig):
     """EAGLE head options.
 
     Attributes:
@@ -114,16 +114,6 @@ class EagleConfig:
     def num_fused(self) -> int:
         return 1 if self.fuse_layers is None else len(self.fuse_layers)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EagleConfig:
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown EagleConfig keys {sorted(unknown)}; "
-                             f"allowed: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
 
 
 def head_llama_config(target_config: Any) -> LlamaConfig:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from heads import dflash, draft_lm, eagle, medusa
 from heads.family_base import WEIGHTS, DraftFamily, HeadStateError, TreeKind
@@ -43,6 +44,22 @@ def resolve_fuse_layers(raw: Mapping[str, Any], target_config: Any) -> dict[str,
         log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
                  raw["fuse_layers"], n)
     return raw
+
+
+def _head_on_target(head_class: type, label: str, head_config: Any, target_config: Any,
+                    target_model: nn.Module | None) -> nn.Module:
+    """An untrained head built on the target's config, with the target's frozen embedding and LM
+    head attached when the target is given (else a warning: they are unset until
+    ``attach_target``)."""
+    if target_config is None:
+        raise ValueError("this package stores no target_config: pass target=... to load it")
+    head = head_class(head_config, target_config)
+    if target_model is not None:
+        head.attach_target(target_model)
+    else:
+        log.warning("%s package loaded without its target: embedding and target LM head are "
+                    "unset; call module.attach_target(target_model) before decoding", label)
+    return head
 
 
 def _fuse_layer_ids_fit(cfg: Mapping[str, Any], num_layers: int) -> None:
@@ -271,16 +288,8 @@ class EagleFamily(DraftFamily):
         return module.config  # the target's config cut to the head's one decoder layer
 
     def empty_head(self, head_config, identity, target_config, target_model):
-        if target_config is None:
-            raise ValueError("this package stores no target_config: pass target=... to load it")
-        head = eagle.EagleHead(head_config, target_config)
-        if target_model is not None:
-            head.attach_target(target_model)
-        else:
-            log.warning(
-                "EAGLE package loaded without its target: embedding and target LM head are unset;"
-                " call module.attach_target(target_model) before decoding")
-        return head
+        return _head_on_target(eagle.EagleHead, "EAGLE", head_config, target_config,
+                               target_model)
 
 
 class DFlashFamily(DraftFamily):
@@ -350,15 +359,8 @@ class DFlashFamily(DraftFamily):
         return {**super().draft_config_of(module), "architectures": [type(module).__name__]}
 
     def empty_head(self, head_config, identity, target_config, target_model):
-        if target_config is None:
-            raise ValueError("this package stores no target_config: pass target=... to load it")
-        head = dflash.DFlashDrafter(head_config, target_config)
-        if target_model is not None:
-            head.attach_target(target_model)
-        else:
-            log.warning("DFlash package loaded without its target: embedding and LM head are "
-                        "unset; call module.attach_target(target_model) before decoding")
-        return head
+        return _head_on_target(dflash.DFlashDrafter, "DFlash", head_config, target_config,
+                               target_model)
 
     def max_draft_length(self, head_config):
         return int(head_config.block_size) - 1

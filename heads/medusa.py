@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +23,7 @@ from transformers import PreTrainedModel
 
 from heads.blocks import (
     DistillTarget,
+    HeadConfig,
     master_dtype,
     pack_rows,
     shift_left,
@@ -39,7 +39,7 @@ TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two AdamW moments
 
 
 @dataclass
-class MedusaConfig:
+class MedusaConfig(HeadConfig):
     """Medusa heads.
 
     Attributes:
@@ -82,16 +82,6 @@ class MedusaConfig:
                              "the target first (heads.medusa.resolve_lm_head)")
         return self.lm_head == "shared"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MedusaConfig:
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown MedusaConfig keys {sorted(unknown)}; "
-                             f"allowed: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
 
     def loss_weights(self) -> list[float]:
         """Per-head loss weights ``[decay**0, decay**1, ...]``."""
