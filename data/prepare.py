@@ -9,10 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from data.chat import split_conversations, tokenize_conversations
-from data.features import FORMAT_VERSION, FeatureCacheError, all_gather, build_feature_cache
-from data.regenerate import regenerate_splits
-from data.sharegpt import read_sharegpt, select_conversations
+from draftsmith.data.chat import split_conversations, tokenize_conversations
+from draftsmith.data.features import (
+    FORMAT_VERSION,
+    FeatureCacheError,
+    all_gather,
+    build_feature_cache,
+)
+from draftsmith.data.regenerate import regenerate_splits
+from draftsmith.data.sharegpt import read_sharegpt, select_conversations
 
 DEFAULTS: dict[str, Any] = {
     "path": None, "skip_conversations": 0, "num_conversations": None, "max_length": 1024,

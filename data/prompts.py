@@ -35,8 +35,8 @@ def _humaneval() -> list[Prompt]:
 
 
 def _sharegpt(val: float, test: float) -> list[Prompt]:
-    from data.chat import split_of
-    from data.sharegpt import iter_sharegpt
+    from draftsmith.data.chat import split_of
+    from draftsmith.data.sharegpt import iter_sharegpt
 
     out = []
     for c in iter_sharegpt():

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from data.attention import FORCE_GQA_ENV, native_gqa  # noqa: F401 (the target API)
-from data.chat_format import (  # noqa: F401 (the target API)
+from draftsmith.data.attention import FORCE_GQA_ENV, native_gqa  # noqa: F401 (the target API)
+from draftsmith.data.chat_format import (  # noqa: F401 (the target API)
     PLAIN_CHAT_TEMPLATE,
     PLAIN_STOP_STRINGS,
     apply_chat_format,

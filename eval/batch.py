@@ -28,20 +28,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from eval.decoder import DecodeResult, _Stopper
-from eval.proposal import Proposal, Sampling
-from eval.proposers import Proposer
-from eval.slots import check_layout, last_valid, pad_rows, slot_cache
-from eval.stats import DecodeStats, KController
-from eval.target_model import (
+from draftsmith.eval.decoder import DecodeResult, _Stopper
+from draftsmith.eval.proposal import Proposal, Sampling
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.slots import check_layout, last_valid, pad_rows, slot_cache
+from draftsmith.eval.stats import DecodeStats, KController
+from draftsmith.eval.target_model import (
     cache_kwarg,
     native_gqa,
     sliding_window,
     target_logits,
     tree_ancestor_mask,
 )
-from eval.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
-from heads.draft_config import text_config
+from draftsmith.eval.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
+from draftsmith.heads.draft_config import text_config
 
 
 class BatchTarget:

@@ -12,12 +12,12 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from eval.proposal import Proposal, Sampling
-from eval.proposers import DraftLMProposer, Proposer, fit_vocab
-from eval.proposers_eagle import EagleProposer
-from eval.slots import SlotCache, last_valid, pad_rows
-from eval.target_model import cache_kwarg, native_gqa
-from eval.tree import DynamicTree
+from draftsmith.eval.proposal import Proposal, Sampling
+from draftsmith.eval.proposers import DraftLMProposer, Proposer, fit_vocab
+from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.eval.slots import SlotCache, last_valid, pad_rows
+from draftsmith.eval.target_model import cache_kwarg, native_gqa
+from draftsmith.eval.tree import DynamicTree
 
 
 class BatchDrafter(ABC):

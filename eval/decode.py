@@ -19,27 +19,35 @@ the prompts differ by more than ``noise_tolerance``); ``draft=none`` measures pl
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 from omegaconf import DictConfig
 
-from data.dtype import resolve_dtype
-from data.prompts import check_prompt_set
-from eval import session
-from eval.checks import check_noise_tolerance, check_out_file, check_sampling, integer, number
-from eval.draft import TreeMode, build_proposer, load_draft, parse_draft_vocab, resolve_k, settle
-from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
-from eval.slots import check_layout
-from eval.tree import check_tree_draw
+from draftsmith.data.dtype import resolve_dtype
+from draftsmith.data.prompts import check_prompt_set
+from draftsmith.eval import CONF_DIR, session
+from draftsmith.eval.checks import (
+    check_noise_tolerance,
+    check_out_file,
+    check_sampling,
+    integer,
+    number,
+)
+from draftsmith.eval.draft import (
+    TreeMode,
+    build_proposer,
+    load_draft,
+    parse_draft_vocab,
+    resolve_k,
+    settle,
+)
+from draftsmith.eval.proposers import PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.slots import check_layout
+from draftsmith.eval.tree import check_tree_draw
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "eval"  # the evaluation configs
 CONF_FILE = CONF_DIR / "decode.yaml"
 NO_DRAFT = ("none", "null", "")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -166,7 +174,7 @@ def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, rec
                     sampling: Any, eos: Any, tolerance: float) -> tuple[Any, Any]:
     """``batch_size > 1``: :class:`~eval.batch.BatchDecoder` (fixed K, per-row fallback) and
     plain batched decoding, paired per batch (:func:`eval.session.paired_batches`)."""
-    from eval.batch import BatchDecoder
+    from draftsmith.eval.batch import BatchDecoder
 
     if cfg.acceptance != "lossless":
         raise ValueError("batch_size > 1 verifies losslessly: use acceptance=lossless")
@@ -212,7 +220,7 @@ def run_overrides(overrides: list[str]) -> dict:
     return run(cfg)
 
 
-@hydra.main(config_path="../conf/eval", config_name="decode", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Command line: decode, then print the summary table."""
     print_summary(run(cfg)["summary"])

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eval.proposal import DecodeContext, Proposal, Sampling
-from eval.proposers import Proposer
-from eval.stats import DecodeStats, KController
-from eval.target_model import Target, TargetOutput
-from eval.verify import verify_chain, verify_greedy, verify_tree, verify_tree_typical
+from draftsmith.eval.proposal import DecodeContext, Proposal, Sampling
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.stats import DecodeStats, KController
+from draftsmith.eval.target_model import Target, TargetOutput
+from draftsmith.eval.verify import verify_chain, verify_greedy, verify_tree, verify_tree_typical
 
 ACCEPTANCE_MODES = ("lossless", "typical")
 

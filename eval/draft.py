@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from eval.tree import check_tree_draw
-from heads.family import FAMILIES, TreeKind
-from heads.quantize import FP32_ONLY
-from heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
+from draftsmith.eval.tree import check_tree_draw
+from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.heads.quantize import FP32_ONLY
+from draftsmith.heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
 DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
@@ -338,8 +338,8 @@ def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
     Raises:
         ValueError: the folder is neither a package nor an export.
     """
-    from heads.exports import import_export
-    from heads.package import PACKAGE_JSON, load_package
+    from draftsmith.heads.exports import import_export
+    from draftsmith.heads.package import PACKAGE_JSON, load_package
 
     root = Path(str(draft)).expanduser()
     if (root / PACKAGE_JSON).is_file():

@@ -27,20 +27,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eval import session
-from eval.decode import CONF_DIR, DTYPES
-from eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
-from eval.machine import environment
-from eval.proposers import PlainProposer, PromptLookupProposer, Proposer
-from eval.stats import DecodeStats
-from heads.family import TreeKind, get_family
+from draftsmith.eval import session
+from draftsmith.eval.decode import CONF_DIR, DTYPES
+from draftsmith.eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
+from draftsmith.eval.machine import environment
+from draftsmith.eval.proposers import PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.stats import DecodeStats
+from draftsmith.heads.family import TreeKind, get_family
 
 # decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too
 TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",),
@@ -352,7 +349,7 @@ def run_overrides(overrides: list[str], loaded: Any = None) -> dict:
 _EXIT: list[int] = []
 
 
-@hydra.main(config_path="../conf/eval", config_name="exactness", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="exactness", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     result = run(cfg)
     print_table(result)

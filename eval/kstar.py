@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from eval.cost import Costs, choose_kstar
-from eval.decoder import SpeculativeDecoder
-from eval.machine import environment
-from eval.proposal import DecodeContext, Sampling
-from eval.proposers import Proposer
-from eval.stats import DecodeStats
-from eval.target_model import Target
+from draftsmith.eval.cost import Costs, choose_kstar
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.machine import environment
+from draftsmith.eval.proposal import DecodeContext, Sampling
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.stats import DecodeStats
+from draftsmith.eval.target_model import Target
 
 
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:

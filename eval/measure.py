@@ -26,25 +26,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.dtype import resolve_dtype
-from data.prompts import check_prompt_set
-from eval import session
-from eval.checks import check_noise_tolerance, check_sampling, integer
-from eval.decode import CONF_DIR
-from eval.draft import build_proposer, load_draft, merge_record, settle
-from eval.kstar import measure_speculation
-from eval.proposers import Proposer
-from eval.proposers_medusa import medusa_choices
-from eval.target_model import Target
-from heads.family import DraftFamily, TreeKind
-from heads.package import PACKAGE_JSON
+from draftsmith.data.dtype import resolve_dtype
+from draftsmith.data.prompts import check_prompt_set
+from draftsmith.eval import session
+from draftsmith.eval.checks import check_noise_tolerance, check_sampling, integer
+from draftsmith.eval.decode import CONF_DIR
+from draftsmith.eval.draft import build_proposer, load_draft, merge_record, settle
+from draftsmith.eval.kstar import measure_speculation
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.proposers_medusa import medusa_choices
+from draftsmith.eval.target_model import Target
+from draftsmith.heads.family import DraftFamily, TreeKind
+from draftsmith.heads.package import PACKAGE_JSON
 
 
 def max_tree_nodes(depth: int, topk: int) -> int:
@@ -212,7 +209,7 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     """
     from dataclasses import replace
 
-    from heads.vocab import TOKEN_FREQUENCY
+    from draftsmith.heads.vocab import TOKEN_FREQUENCY
 
     vocab = int(model.config.vocab_size)
     sizes = sorted({int(n) for n in cfg.draft_vocab_sizes if int(n) < vocab})
@@ -256,7 +253,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         The ``speculation.json`` dict (see :func:`eval.kstar.measure_speculation`) with
         ``measured_speedup``, ``draft_kind``, ``prompts`` and ``command`` added.
     """
-    from heads.package import update_package_json
+    from draftsmith.heads.package import update_package_json
 
     _validate(cfg)
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
@@ -347,7 +344,7 @@ def run_overrides(overrides: list[str], loaded: Any = None) -> dict[str, Any]:
     return run(cfg, loaded)
 
 
-@hydra.main(config_path="../conf/eval", config_name="measure", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Command line: measure, write speculation.json, then print K* and the tables."""
     print_record(run(cfg))

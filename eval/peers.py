@@ -183,7 +183,7 @@ def load_assistant(draft: str | Path, loaded: Any, dtype: torch.dtype,
     Raises:
         ValueError: the draft's family cannot assist ``generate`` (Medusa / EAGLE heads).
     """
-    from eval.draft import load_draft
+    from draftsmith.eval.draft import load_draft
 
     pkg = load_draft(draft, loaded)
     if not pkg.family.hf_model:
@@ -194,8 +194,8 @@ def load_assistant(draft: str | Path, loaded: Any, dtype: torch.dtype,
 
 def run_peer(settings: Mapping[str, Any]) -> dict:
     """Load the target (and the draft LM) named by sweep settings and run the peer."""
-    from data.target import load_target
-    from eval.session import prompt_records
+    from draftsmith.data.target import load_target
+    from draftsmith.eval.session import prompt_records
 
     dtype = getattr(torch, settings.get("dtype") or "float32")
     device = torch.device(settings.get("device") or "cpu")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.verify import warp
+from draftsmith.eval.verify import warp
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eval.proposal import DecodeContext, Proposal
-from eval.target_model import TargetOutput, cache_kwarg, layer_masks, native_gqa, new_cache
-from eval.tree import DynamicTree
+from draftsmith.eval.proposal import DecodeContext, Proposal
+from draftsmith.eval.target_model import (
+    TargetOutput,
+    cache_kwarg,
+    layer_masks,
+    native_gqa,
+    new_cache,
+)
+from draftsmith.eval.tree import DynamicTree
 
 
 class Proposer:
@@ -231,7 +237,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     def batched(self) -> Any:
-        from eval.batch_drafters import BatchDraftLM
+        from draftsmith.eval.batch_drafters import BatchDraftLM
 
         self._no_batched_trees()
         return BatchDraftLM(self)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from eval.proposal import DecodeContext, Proposal
-from eval.proposers import Proposer
-from eval.target_model import TargetOutput
+from draftsmith.eval.proposal import DecodeContext, Proposal
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.target_model import TargetOutput
 
 
 class DFlashProposer(Proposer):

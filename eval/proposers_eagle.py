@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eval.proposal import DecodeContext, Proposal
-from eval.proposers import DraftVocabMixin, Proposer, head_rows
-from eval.target_model import TargetOutput
-from eval.tree import DynamicTree
+from draftsmith.eval.proposal import DecodeContext, Proposal
+from draftsmith.eval.proposers import DraftVocabMixin, Proposer, head_rows
+from draftsmith.eval.target_model import TargetOutput
+from draftsmith.eval.tree import DynamicTree
 
 
 class EagleProposer(DraftVocabMixin, Proposer):
@@ -78,7 +78,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self._pending_tokens: list[int] = []
 
     def batched(self) -> object:
-        from eval.batch_drafters import BatchEagle
+        from draftsmith.eval.batch_drafters import BatchEagle
 
         return BatchEagle(self)
 

@@ -25,7 +25,6 @@ job (written by ``eval/sweep.py`` with a ``job`` block, or straight by ``eval/de
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -35,11 +34,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
+from omegaconf import DictConfig
 
-from eval import plots
-from eval.cost import expected_speedups, parse_costs
+from draftsmith.eval import CONF_DIR, plots
+from draftsmith.eval.cost import expected_speedups, parse_costs
 
 CSV_COLUMNS = [
     "job", "label", "method", "draft", "draft_kind", "k", "tree_size", "schedule", "temperature",
@@ -105,10 +104,9 @@ def load_jobs(sweep_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def read_draft_info(draft: str | None) -> DraftInfo:
     """Read ``validation.json``, ``speculation.json`` and ``train_log.jsonl`` of a package."""
-    info = DraftInfo()
-    if not draft or not Path(draft).is_dir():
+    info, d = DraftInfo(), Path(draft or ".")
+    if not draft or not d.is_dir():
         return info
-    d = Path(draft)
     info.validation = _read_json(d / "validation.json")
     info.speculation = _read_json(d / "speculation.json")
     log = d / "train_log.jsonl"
@@ -477,24 +475,26 @@ def build_report(sweep_dir: str | Path, gap_threshold: float = 0.1,
     return Report(rows=rows, categories=cats, errors=errors, files=files)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python eval/report.py DIR [gap_threshold=0.1] [plots=false]``."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("sweep_dir")
-    ap.add_argument("overrides", nargs="*", help="gap_threshold=FLOAT, plots=true|false")
-    args = ap.parse_args(argv)
-    opts = {"gap_threshold": "0.1", "plots": "true"}
-    for o in args.overrides:
-        key, sep, val = o.partition("=")
-        if not sep or key not in opts:
-            ap.error(f"unknown override {o!r}: use gap_threshold=FLOAT or plots=true|false")
-        opts[key] = val
-    rep = build_report(args.sweep_dir, float(opts["gap_threshold"]),
-                       opts["plots"].lower() in ("1", "true", "yes"))
+def run(cfg: DictConfig) -> Report:
+    """Build the report of ``cfg.sweep_dir`` (options: ``conf/eval/report.yaml``)."""
+    rep = build_report(str(cfg.sweep_dir), float(cfg.gap_threshold),
+                       str(cfg.plots).lower() in ("1", "true", "yes"))
     print(f"{len(rep.rows)} jobs, {len(rep.errors)} failed; wrote "
           + ", ".join(str(p) for p in rep.files.values()))
-    return 0
+    return rep
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="report", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """CLI: ``python eval/report.py DIR [gap_threshold=0.1] [plots=false]`` (DIR: sweep_dir)."""
+    run(cfg)
+
+
+def cli() -> None:  # draftsmith-report or python eval/report.py: the DIR form, or overrides
+    if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
+        sys.argv[1] = "sweep_dir='" + sys.argv[1].replace("'", "\\'") + "'"  # the DIR form
+    main()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from eval.decoder import SpeculativeDecoder
-from eval.proposers import PlainProposer, Proposer
-from eval.stats import DecodeStats
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposers import PlainProposer, Proposer
+from draftsmith.eval.stats import DecodeStats
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def open_target(cfg: Mapping[str, Any], loaded: Any = None) -> Any:
     ``cfg.device``, eval mode; ``loaded`` (already loaded) is moved there instead. Its chat format
     is ``cfg.chat_template`` when the config has the key (as ``target.chat_template`` in
     training: null = the tokenizer's own, or the plain format for a base model)."""
-    from data.target import load_target
+    from draftsmith.data.target import load_target
 
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
@@ -90,7 +90,7 @@ def prompt_records(prompts: str, tokenizer: Any, limit: int | None = None) -> li
     Raises:
         ValueError: no tokenizer, or no prompt loaded.
     """
-    from data.prompts import load_prompts
+    from draftsmith.data.prompts import load_prompts
 
     if tokenizer is None:
         raise ValueError("the target has no tokenizer: prompts cannot be encoded")

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from eval.target_model import new_cache
+from draftsmith.eval.target_model import new_cache
 
 LAYOUTS = ("padded", "packed")
 

@@ -6,7 +6,7 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from eval.cost import Costs, best_k, expected_tokens_constant, speedup
+from draftsmith.eval.cost import Costs, best_k, expected_tokens_constant, speedup
 
 
 @dataclass

@@ -50,17 +50,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 from tqdm.auto import tqdm
 
-from heads.manifest import write_json_atomic
+from draftsmith.eval import CONF_DIR
+from draftsmith.heads.manifest import write_json_atomic
 
 log = logging.getLogger("draftsmith.sweep")
 REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO / "conf" / "eval"
+DEFAULT_RUNNER = "draftsmith.eval.sweep:default_runner"  # the runner spec (module:function)
 
 Runner = Callable[[dict], dict]
 METHODS = ("spec", "hf_generate", "hf_assisted", "hf_prompt_lookup")
@@ -109,8 +107,8 @@ def validate(cfg: Mapping[str, Any]) -> None:
     Raises:
         ValueError: naming the key, the value and the fix.
     """
-    from data.prompts import check_prompt_set
-    from eval.checks import check_out_dir, check_sampling
+    from draftsmith.data.prompts import check_prompt_set
+    from draftsmith.eval.checks import check_out_dir, check_sampling
 
     check_out_dir("sweep_dir", cfg.get("sweep_dir"),
                   {k: cfg.get(k) for k in ("draft", "prompts", "target")})
@@ -229,7 +227,7 @@ def default_runner(settings: dict) -> dict:
         ``{"summary": {...}, "samples": [...]}`` as ``eval/decode.py`` writes it.
     """
     if settings["method"] != "spec":
-        from eval import peers
+        from draftsmith.eval import peers
 
         return peers.run_peer(settings)
     return run_decoder(_decoder_overrides(settings))
@@ -263,7 +261,7 @@ def run_decoder(overrides: list[str]) -> dict:
     CLI in a child process (``python eval/decode.py ... out=FILE``), the stable contract.
     """
     try:
-        decode = importlib.import_module("eval.decode")
+        decode = importlib.import_module("draftsmith.eval.decode")
     except ImportError as exc:
         raise RuntimeError("eval/decode.py is missing or does not import: method=spec needs "
                            f"the decoder CLI ({exc})") from exc
@@ -296,11 +294,9 @@ def _run_in_child(settings: dict, sweep_dir: Path, runner_spec: str,
     job_file.write_text(json.dumps(settings))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-job", str(job_file),
            "--out", str(out_file), "--runner", runner_spec]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    try:
+    try:  # the child imports the installed draftsmith.*, and the runner's module from PYTHONPATH
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
+                              timeout=timeout_s)
         if proc.returncode != 0:
             raise JobFailedError(f"child process exited with {proc.returncode}:\n"
                                  f"{proc.stderr[-4000:]}")
@@ -318,7 +314,7 @@ def needs_isolation(settings: Mapping[str, Any], isolate: Isolate = Isolate.AUTO
 
 
 def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runner,
-            isolate: Isolate = Isolate.AUTO, runner_spec: str = "eval.sweep:default_runner",
+            isolate: Isolate = Isolate.AUTO, runner_spec: str = DEFAULT_RUNNER,
             timeout_s: float | None = None) -> str:
     """Run one job unless it is done; record its result or its error.
 
@@ -370,7 +366,7 @@ def run_job(settings: dict, sweep_dir: str | Path, runner: Runner = default_runn
 def run_sweep(jobs: Iterable[Mapping[str, Any]], sweep_dir: str | Path,
               runner: Runner = default_runner, isolate: Isolate = Isolate.AUTO,
               progress: bool = True, report: bool = True, gap_threshold: float = 0.1,
-              runner_spec: str = "eval.sweep:default_runner") -> Counter:
+              runner_spec: str = DEFAULT_RUNNER) -> Counter:
     """Run a list of raw job settings in order (the Python twin of a Hydra multirun).
 
     Jobs are normalized and deduplicated first; the report is written once at the end.
@@ -391,7 +387,7 @@ def run_sweep(jobs: Iterable[Mapping[str, Any]], sweep_dir: str | Path,
     for s in tqdm(planned, desc="sweep", unit="job", disable=not progress):
         counts[run_job(s, sweep_dir, runner, isolate, runner_spec)] += 1
     if report:
-        from eval.report import build_report
+        from draftsmith.eval.report import build_report
 
         build_report(sweep_dir, gap_threshold)
     return counts
@@ -437,7 +433,7 @@ class SweepCallback(_HydraCallback):
             self.bar.close()
         log.info("sweep finished: %s", dict(self.counts))
         if config.get("report", True):
-            from eval.report import build_report
+            from draftsmith.eval.report import build_report
 
             rep = build_report(config.sweep_dir, float(config.get("gap_threshold", 0.1)))
             print(f"report: {rep.files['markdown']} ({len(rep.rows)} jobs, "
@@ -450,7 +446,7 @@ class SweepCallback(_HydraCallback):
         self._report(config)
 
 
-@hydra.main(config_path="../conf/eval", config_name="sweep", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="sweep", version_base="1.3")
 def task(cfg: Any) -> str:
     """One Hydra job: normalize its settings and run it (status string returned)."""
     isolate = Isolate.parse(cfg.isolate)
@@ -459,7 +455,7 @@ def task(cfg: Any) -> str:
     if settings is None:
         log.info("not applicable, skipped: %s", {k: cfg.get(k) for k in ("method", "draft")})
         return "not_applicable"
-    spec = cfg.get("runner") or "eval.sweep:default_runner"
+    spec = cfg.get("runner") or DEFAULT_RUNNER
     return run_job(settings, cfg.sweep_dir, _load_runner(spec), isolate,
                    runner_spec=spec, timeout_s=cfg.get("job_timeout_s"))
 
@@ -468,7 +464,7 @@ def _child_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-job", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--runner", default="eval.sweep:default_runner")
+    ap.add_argument("--runner", default=DEFAULT_RUNNER)
     args = ap.parse_args(argv)
     settings = json.loads(Path(args.run_job).read_text())
     if settings.get("threads"):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from data.target import FORCE_GQA_ENV, native_gqa  # noqa: F401 (FORCE_GQA_ENV: tests)
-from heads.draft_config import check_attention_layers, text_config
+from draftsmith.data.target import FORCE_GQA_ENV, native_gqa  # noqa: F401 (FORCE_GQA_ENV: tests)
+from draftsmith.heads.draft_config import check_attention_layers, text_config
 
 
 @dataclass
@@ -198,7 +198,7 @@ def new_cache() -> DynamicCache:
 
 def check_target_structure(model: torch.nn.Module) -> None:
     """Refuse, when the target loads, a structure the decoder cannot drive (with the reason)."""
-    from heads.draft_config import UnsupportedTargetError
+    from draftsmith.heads.draft_config import UnsupportedTargetError
 
     check_attention_layers(model.config)
     if getattr(model, "model", None) is None or model.get_output_embeddings() is None:
@@ -256,7 +256,7 @@ def layer_masks(config, allowed: torch.Tensor, position_ids: torch.Tensor | None
     if allowed.dtype != torch.bool:
         return allowed
     if getattr(config, "_attn_implementation", None) == "eager":
-        from heads.blocks import additive_mask
+        from draftsmith.heads.blocks import additive_mask
 
         def cast(m: torch.Tensor) -> torch.Tensor:
             return additive_mask(m, dtype)

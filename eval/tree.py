@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from eval.proposal import Proposal, Sampling
+from draftsmith.eval.proposal import Proposal, Sampling
 
 # ----- the EAGLE-2 dynamic draft tree (used by the EAGLE head and the draft LM) ---------------
 # Drafting a tree of depth D: the root's k candidate tokens are depth-1 nodes; at each further

@@ -45,13 +45,13 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from heads.blocks import HeadConfig, master_dtype
-from heads.dflash_train import (  # noqa: F401 (the family's training entry point lives there)
+from draftsmith.heads.blocks import HeadConfig, master_dtype
+from draftsmith.heads.dflash_train import (  # noqa: F401 (the family's training entry point lives there)
     block_attention_mask,
     distill_targets,
 )
-from heads.draft_config import draft_layer_config, text_config
-from heads.eagle import effective_norm_weight
+from draftsmith.heads.draft_config import draft_layer_config, text_config
+from draftsmith.heads.eagle import effective_norm_weight
 
 # per draft layer, the context's keys (B, KV, T, D) after k_norm and RoPE, and its values
 KVCache = list[tuple[Tensor, Tensor]]

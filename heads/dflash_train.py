@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from heads.blocks import DistillTarget, pack_rows
-from heads.eagle_ttt import fuse_features
+from draftsmith.heads.blocks import DistillTarget, pack_rows
+from draftsmith.heads.eagle_ttt import fuse_features
 
 if TYPE_CHECKING:
-    from heads.dflash import DFlashDrafter
+    from draftsmith.heads.dflash import DFlashDrafter
 
 
 def block_attention_mask(anchors: Tensor, valid: Tensor, seq: int, block_size: int,

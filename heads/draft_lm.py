@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from heads.blocks import (
+from draftsmith.heads.blocks import (
     DistillTarget,
     HeadConfig,
     master_dtype,
@@ -26,7 +26,7 @@ from heads.blocks import (
     teacher_mask,
     teacher_rows,
 )
-from heads.draft_config import draft_model_config, text_config
+from draftsmith.heads.draft_config import draft_model_config, text_config
 
 INIT_CHOICES = ("random", "target")
 

@@ -45,14 +45,14 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from heads.blocks import HeadConfig, additive_mask, causal_allowed, master_dtype
-from heads.draft_config import draft_layer_config
-from heads.eagle_ttt import (  # noqa: F401 (the family's training entry points live here too)
+from draftsmith.heads.blocks import HeadConfig, additive_mask, causal_allowed, master_dtype
+from draftsmith.heads.draft_config import draft_layer_config
+from draftsmith.heads.eagle_ttt import (  # noqa: F401 (the family's training entry points live here too)
     distill_targets,
     eagle_unrolled_forward,
     fuse_features,
 )
-from heads.vocab import build_vocab_map
+from draftsmith.heads.vocab import build_vocab_map
 
 EAGLE_LAYOUTS = ("eagle1", "normed", "eagle3")
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from heads.blocks import (
+from draftsmith.heads.blocks import (
     DistillTarget,
     causal_allowed,
     pack_rows,
@@ -19,7 +19,7 @@ from heads.blocks import (
 )
 
 if TYPE_CHECKING:
-    from heads.eagle import EagleHead
+    from draftsmith.heads.eagle import EagleHead
 
 
 def fuse_features(layers: Tensor, layer_ids: Sequence[int], fuse_layers: Sequence[int]) -> Tensor:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads import dflash, draft_lm, eagle, medusa
-from heads.family_base import WEIGHTS, DraftFamily, HeadStateError, TreeKind
+from draftsmith.heads import dflash, draft_lm, eagle, medusa
+from draftsmith.heads.family_base import WEIGHTS, DraftFamily, HeadStateError, TreeKind
 
 __all__ = ["FAMILIES", "WEIGHTS", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
            "HeadStateError", "MedusaFamily", "TreeKind", "get_family"]
@@ -37,7 +37,7 @@ def resolve_fuse_layers(raw: Mapping[str, Any], target_config: Any) -> dict[str,
     hidden-state ids of the target (``heads.eagle.auto_fuse_layers``), the choice logged."""
     raw = dict(raw)
     if raw.get("fuse_layers") == "auto":
-        from heads.draft_config import text_config
+        from draftsmith.heads.draft_config import text_config
 
         n = int(text_config(target_config).num_hidden_layers)
         raw["fuse_layers"] = eagle.auto_fuse_layers(n)
@@ -86,7 +86,7 @@ class DraftLMFamily(DraftFamily):
 
     name = "lm"
     config_class = draft_lm.DraftLMConfig
-    proposer = "eval.proposers.DraftLMProposer"
+    proposer = "draftsmith.eval.proposers.DraftLMProposer"
     draft_vocab = True
     hf_model = True
     export_formats = ("hf", "gguf")
@@ -156,7 +156,7 @@ class MedusaFamily(DraftFamily):
 
     name = "medusa"
     config_class = medusa.MedusaConfig
-    proposer = "eval.proposers_medusa.MedusaProposer"
+    proposer = "draftsmith.eval.proposers_medusa.MedusaProposer"
     tree = TreeKind.STATIC
     tree_by_default = True
     export_formats = ("medusa",)
@@ -167,7 +167,7 @@ class MedusaFamily(DraftFamily):
         (``heads.medusa.auto_lm_head``, which logs the choice)."""
         raw = dict(raw)
         if raw.get("lm_head") == "auto":
-            from heads.draft_config import text_config
+            from draftsmith.heads.draft_config import text_config
 
             if target_config is None:
                 raise ValueError("draft.config.lm_head=auto is decided by the target's LM-head "
@@ -222,7 +222,7 @@ class EagleFamily(DraftFamily):
 
     name = "eagle"
     config_class = eagle.EagleConfig
-    proposer = "eval.proposers_eagle.EagleProposer"
+    proposer = "draftsmith.eval.proposers_eagle.EagleProposer"
     tree_by_default = True
     batched_tree = True
     draft_vocab = True
@@ -243,7 +243,7 @@ class EagleFamily(DraftFamily):
         most frequent (``heads.eagle.auto_draft_vocab_size``)."""
         raw = resolve_fuse_layers(raw, target_config)
         if raw.get("draft_vocab_size") == "auto":
-            from heads.draft_config import text_config
+            from draftsmith.heads.draft_config import text_config
 
             vocab = int(text_config(target_config).vocab_size)
             raw["draft_vocab_size"] = eagle.auto_draft_vocab_size(vocab)
@@ -297,7 +297,7 @@ class DFlashFamily(DraftFamily):
 
     name = "dflash"
     config_class = dflash.DFlashConfig
-    proposer = "eval.proposers_dflash.DFlashProposer"
+    proposer = "draftsmith.eval.proposers_dflash.DFlashProposer"
     tree = TreeKind.NONE
     export_formats = ("dflash",)
     distill_targets = staticmethod(dflash.distill_targets)

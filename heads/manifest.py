@@ -1,7 +1,9 @@
 """The manifest of a package or export folder: sha256 and size of every file, and its checks.
 
-``manifest.json`` lists every regular file of the folder except itself and the signature
-(``heads.signing``, ``model.sig``). Checking a folder against it refuses
+``manifest.json`` lists every regular file of the folder except itself, the signature
+(``heads.signing``, ``model.sig``) and a model card (``README.md`` at the top: documentation that
+no loader reads, so a card can be written or corrected after signing without touching the signed
+bytes; the signature ignores it too). Checking a folder against it refuses
 
 * a listed file that is missing, truncated, longer or modified;
 * any file on disk that is not listed (an unlisted ``speculation.json`` or extra weights could
@@ -25,13 +27,14 @@ import re
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from data.target import sha256_file
+from draftsmith.data.target import sha256_file
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 SIGNATURE = "model.sig"  # model-signing's default name; the one file the manifest cannot list
 UNLISTED = (MANIFEST, SIGNATURE)
+CARD = "README.md"  # the folder's model card: neither listed nor signed, never read by a loader
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -131,7 +134,7 @@ def write_manifest(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     if refused:
         raise PackageIntegrityError(root, refused, fix="write real files, not links")
     listed = {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
-              for rel in files if rel not in UNLISTED}
+              for rel in files if rel not in UNLISTED and rel != CARD}
     manifest = {**meta, "files": listed}
     write_json_atomic(root / MANIFEST, manifest)
     return manifest
@@ -179,7 +182,7 @@ def manifest_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
             problems.append(f"file '{rel}' was modified: sha256 {digest[:16]}... on disk, "
                             f"{entry['sha256'][:16]}... in {MANIFEST}")
     for rel in on_disk:
-        if rel not in listed and rel not in UNLISTED:
+        if rel not in listed and rel not in UNLISTED and rel != CARD:
             problems.append(f"file '{rel}' is not listed in {MANIFEST} (unlisted files are "
                             "refused)")
     return problems

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from heads.blocks import (
+from draftsmith.heads.blocks import (
     DistillTarget,
     HeadConfig,
     master_dtype,

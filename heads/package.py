@@ -35,9 +35,10 @@ from typing import Any
 
 from torch import nn
 
-from data.target import TargetIdentity, TargetMismatchError, sha256_file
-from heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
-from heads.manifest import (  # noqa: F401 (re-exported: the package API)
+from draftsmith.data.target import TargetIdentity, TargetMismatchError, sha256_file
+from draftsmith.heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
+from draftsmith.heads.manifest import (  # noqa: F401 (re-exported: the package API)
+    CARD,
     MANIFEST,
     SIGNATURE,
     PackageIntegrityError,
@@ -48,7 +49,7 @@ from heads.manifest import (  # noqa: F401 (re-exported: the package API)
     write_json_atomic,
     write_manifest,
 )
-from heads.signing import (
+from draftsmith.heads.signing import (
     PackageSignatureError,
     sign_folder,
     unsigned_allowed,
@@ -304,14 +305,19 @@ def derive_package(src: Path, dst: Path, leave_out: tuple[str, ...] = (),
     """Write ``dst``, a signed copy of the package ``src`` with changes: every file but the
     manifest, the signature and ``leave_out`` copied, then ``write(tmp)`` adds or replaces
     files, then a new manifest (the old one's metadata kept) and signature (the local key).
+    A model card (``README.md``, unsigned) describes its own folder: ``src``'s is not copied,
+    and ``dst``'s, when ``dst`` exists, is kept (with a warning to update its figures).
     Atomic, like :func:`save_package`; returns ``dst``."""
     with staged(dst) as tmp:
         for f in sorted(p for p in src.rglob("*") if p.is_file()):
             rel = f.relative_to(src).as_posix()
-            if rel in (MANIFEST, SIGNATURE, *leave_out):
+            if rel in (MANIFEST, SIGNATURE, CARD, *leave_out):
                 continue
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, tmp / rel)
+        if (dst / CARD).is_file() and not (dst / CARD).is_symlink():
+            shutil.copy2(dst / CARD, tmp / CARD)
+            log.warning("%s: its model card %s is kept; update it for the new files", dst, CARD)
         if write is not None:
             write(tmp)
         old = json.loads((src / MANIFEST).read_text())
@@ -412,7 +418,7 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
     module = load_module(family, root, cfg, info, target)
     quant = info.get("quantization")
     if quant:  # an int8 copy (scripts/quantize.py): the int8 weights are made from the stored ones
-        from heads.quantize import quantize
+        from draftsmith.heads.quantize import quantize
         try:
             quantize(module, quant.get("scheme"), list(quant.get("modules") or []))
         except ValueError as e:

@@ -28,15 +28,19 @@ signed by any certificate it issued verifies. (Sigstore's keyless identities nee
 services and are not wired here: ``model_signing sign sigstore`` signs such a folder and
 ``model_signing verify sigstore`` checks it.)
 
-Command line::
+Command line (``draftsmith-sign``, or ``python -m draftsmith.heads.signing``)::
 
-    python -m heads.signing key            # the local public key's path and fingerprint
-    python -m heads.signing sign DIR       # check DIR's manifest, then sign it with the local key
-    python -m heads.signing verify DIR     # check DIR's signature (and print the signer)
+    draftsmith-sign key            # the local public key's path and fingerprint
+    draftsmith-sign sign DIR       # check DIR's manifest, then sign it with the local key
+    draftsmith-sign verify DIR     # check DIR's signature (and print the signer)
 
 The other side verifies a signature with model-signing itself::
 
     model_signing verify key DIR --signature DIR/model.sig --public_key KEY.pub
+
+The model card ``DIR/README.md`` is not signed (``heads.manifest``): signatures record it among
+their ignored paths, so that command passes with a card beside them; a folder signed before
+that (the committed ``releases/eagle3-smollm2-135m``) needs ``--ignore-paths DIR/README.md``.
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from heads.manifest import (
+from draftsmith.heads.manifest import (
+    CARD,
     MANIFEST,
     SIGNATURE,
     PackageIntegrityError,
@@ -235,7 +240,9 @@ def unsigned_allowed(allow_unsigned: bool = False) -> bool:
 def _hashing() -> Any:
     from model_signing import hashing
 
-    return (hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+    # the model card (README.md) is documentation beside the signed files, as model-signing's
+    # own example treats it: a signature made now records it among its ignored paths
+    return (hashing.Config().set_ignored_paths(paths=[SIGNATURE, CARD], ignore_git_paths=False)
             .use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False))
 
 
@@ -340,7 +347,7 @@ def verify_folder_signature(root: str | Path,
         raise PackageSignatureError(
             root, f"it is not signed (no {SIGNATURE}), so who made it is unknown",
             "re-save or re-export it with this draftsmith (which signs what it writes), or, if "
-            "you made it and it is intact, sign it: python -m heads.signing sign DIR")
+            "you made it and it is intact, sign it: python -m draftsmith.heads.signing sign DIR")
     try:
         material = json.loads(sig.read_text())["verificationMaterial"]
         if "x509CertificateChain" in material:
@@ -398,20 +405,44 @@ def _verify_certificate(root: Path, who: str,
 
 
 # ----------------------------------------------------------------------------- command line
-def main(argv: list[str]) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if argv[:1] == ["key"] and len(argv) == 1:
+CLI_USAGE = ("usage: python -m draftsmith.heads.signing key | sign DIR | verify DIR "
+             "(or action=... dir=DIR)")
+
+
+def run(cfg: Any) -> None:
+    """One command of ``conf/eval/signing.yaml``: ``action`` key | sign | verify (``dir``)."""
+    folder = None if cfg.dir is None else str(cfg.dir)
+    if cfg.action == "key":
         pub = public_key_of()
         print(f"{pub} (fingerprint {fingerprint(_load_public(pub))})")
-    elif len(argv) == 2 and argv[0] in ("sign", "verify"):
-        if argv[0] == "sign":
-            verify_manifest(Path(argv[1]))  # never sign files that do not match the manifest
-            print(f"signed {argv[1]} as {sign_folder(argv[1])}")
+    elif cfg.action in ("sign", "verify") and folder is not None:
+        if cfg.action == "sign":
+            verify_manifest(Path(folder))  # never sign files that do not match the manifest
+            print(f"signed {folder} as {sign_folder(folder)}")
         else:
-            print(f"{argv[1]} is signed by trusted {verify_folder_signature(argv[1])}")
+            print(f"{folder} is signed by trusted {verify_folder_signature(folder)}")
     else:
-        sys.exit("usage: python -m heads.signing key | sign DIR | verify DIR")
+        sys.exit(f"action={cfg.action} dir={folder}: {CLI_USAGE}")
+
+
+def cli_overrides(argv: list[str]) -> list[str]:
+    """The documented forms ``key``, ``sign DIR``, ``verify DIR`` as Hydra overrides."""
+    if not argv or argv[0] not in ("key", "sign", "verify"):
+        return list(argv)
+    rest = argv[1:]
+    if rest and "=" not in rest[0] and not rest[0].startswith("-"):
+        rest = ["dir='" + rest[0].replace("'", "\\'") + "'", *rest[1:]]
+    return [f"action={argv[0]}", *rest]
+
+
+def main() -> None:
+    """Command line: ``key | sign DIR | verify DIR``, or Hydra overrides of its config."""
+    import hydra
+
+    sys.argv[1:] = cli_overrides(sys.argv[1:])
+    conf = str(Path(__file__).resolve().parents[1] / "conf" / "eval")
+    hydra.main(config_path=conf, config_name="signing", version_base="1.3")(run)()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

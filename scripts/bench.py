@@ -27,24 +27,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.dtype import resolve_dtype
-from data.prompts import check_prompt_set
-from eval import decode, session
-from eval.checks import check_out_dir, check_sampling, integer
-from eval.draft import DEFAULT_K, Measured, build_proposer, load_draft, resolve_k, settle
-from eval.kstar import environment
-from eval.stats import DecodeStats
-from eval.target_model import native_gqa
-from heads.family import FAMILIES, TreeKind
-from heads.vocab import FULL
+from draftsmith.data.dtype import resolve_dtype
+from draftsmith.data.prompts import check_prompt_set
+from draftsmith.eval import decode, session
+from draftsmith.eval.checks import check_out_dir, check_sampling, integer
+from draftsmith.eval.draft import DEFAULT_K, Measured, build_proposer, load_draft, resolve_k, settle
+from draftsmith.eval.kstar import environment
+from draftsmith.eval.stats import DecodeStats
+from draftsmith.eval.target_model import native_gqa
+from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.heads.vocab import FULL
 
+REPO = Path(__file__).resolve().parents[1]
 CONF_FILE = decode.CONF_DIR / "bench.yaml"
 USELESS = "useless-"  # fallback_bound.drafts: useless-<family> = that package, proposals shifted
 
@@ -131,7 +129,7 @@ def useless_copy(fam: str, lm_path: str, loaded: Any, out_dir: Path) -> str:
     LM-head rows shifted by one token id (untied from the input embeddings, which stay as they
     were), so that it always proposes the neighbour of what it would have proposed. It measures
     the fallback bound: on such a draft, decode.py's defaults must stay close to plain decoding."""
-    from heads.package import save_package
+    from draftsmith.heads.package import save_package
 
     pkg = load_draft(lm_path, loaded)
     head = pkg.module.get_output_embeddings()
@@ -165,7 +163,7 @@ def measured_tree(path: str, cfg: DictConfig, temperature: float | None = None) 
 
 def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
     """Every decoding method at every temperature; rows of :func:`row`."""
-    from eval.peers import run_peer_on
+    from draftsmith.eval.peers import run_peer_on
 
     model, tok = loaded.model, loaded.tokenizer
     drafts = draft_paths(cfg)
@@ -344,8 +342,8 @@ def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> li
     drafts), after the first question's prompt, for each dtype: what K* trades against."""
     import copy
 
-    from eval.kstar import forward_costs
-    from eval.target_model import Target
+    from draftsmith.eval.kstar import forward_costs
+    from draftsmith.eval.target_model import Target
 
     out = []
     for name in cfg.forward_costs.dtypes:
@@ -460,7 +458,7 @@ def _validate(cfg: DictConfig) -> Path:
 
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark; returns the ``results.json`` dict."""
-    from data.target import load_target
+    from draftsmith.data.target import load_target
 
     questions = _validate(cfg)
     if cfg.threads:
@@ -489,7 +487,7 @@ def run(cfg: DictConfig) -> dict:
     return res
 
 
-@hydra.main(config_path="../conf/eval", config_name="bench", version_base="1.3")
+@hydra.main(config_path=str(decode.CONF_DIR), config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Command line: run the benchmark, then print its tables."""
     run(cfg)

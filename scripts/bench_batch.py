@@ -2,7 +2,7 @@
 batched speculation with each draft at every K, in ONE run.
 
     python scripts/bench_batch.py                      # the released EAGLE head
-    python scripts/bench_batch.py lm=outputs/lm_self/draft write=true
+    python scripts/bench_batch.py lm=outputs/lm_quick/draft write=true
 
 For each batch size B the first B prompts decode together; per round the methods run back to
 back (plain, transformers, every draft at every K, plain again), ``repeats`` rounds, and a
@@ -32,22 +32,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.dtype import resolve_dtype
-from data.prompts import check_prompt_set
-from eval import decode, session
-from eval.batch import BatchDecoder
-from eval.checks import check_out_dir, check_sampling, integer
-from eval.draft import build_proposer, load_draft, settle
-from eval.kstar import environment
-from eval.proposers import PlainProposer
-from heads.family import FAMILIES
+from draftsmith.data.dtype import resolve_dtype
+from draftsmith.data.prompts import check_prompt_set
+from draftsmith.eval import decode, session
+from draftsmith.eval.batch import BatchDecoder
+from draftsmith.eval.checks import check_out_dir, check_sampling, integer
+from draftsmith.eval.draft import build_proposer, load_draft, settle
+from draftsmith.eval.kstar import environment
+from draftsmith.eval.proposers import PlainProposer
+from draftsmith.heads.family import FAMILIES
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def note(msg: str) -> None:
@@ -112,7 +111,7 @@ def timed(fn: Any) -> tuple[Any, float]:
 
 
 def run(cfg: DictConfig) -> dict:
-    from data.target import load_target
+    from draftsmith.data.target import load_target
 
     questions = repo_path(cfg.questions)
     check_prompt_set(questions)
@@ -235,7 +234,7 @@ def run(cfg: DictConfig) -> dict:
     write_markdown(res, out / "results.md")
     plot(res, out / "throughput.png")
     if cfg.write:
-        from heads.package import update_package_json
+        from draftsmith.heads.package import update_package_json
 
         for fam, path in drafts.items():
             spec = json.loads((Path(path) / "speculation.json").read_text()) if (
@@ -402,7 +401,7 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-@hydra.main(config_path="../conf/eval", config_name="bench_batch", version_base="1.3")
+@hydra.main(config_path=str(decode.CONF_DIR), config_name="bench_batch", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run(cfg)
     print((repo_path(cfg.out_dir) / "results.md").read_text())

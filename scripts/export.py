@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +40,18 @@ import hydra
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from heads.exports import FORMATS, format_family
-from heads.family import DraftFamily
-from heads.package import (
+from draftsmith.eval import CONF_DIR
+from draftsmith.heads.exports import FORMATS, format_family
+from draftsmith.heads.family import DraftFamily
+from draftsmith.heads.package import (
     FORMAT_VERSION,
     MANIFEST,
     load_package,
     staged,
     write_manifest,
 )
-from heads.vocab import TOKEN_FREQUENCY
-from scripts.export_formats import (
+from draftsmith.heads.vocab import TOKEN_FREQUENCY
+from draftsmith.scripts.export_formats import (
     REFERENCE_FILES,
     REFERENCE_WITH_EMBEDDING,
     WRITERS,
@@ -225,7 +223,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
             "training_config": src.get("training_config"), "num_speculative_tokens": k,
             "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path)})
         if pkg.info.get("signer") is not None:  # an unverified source gives an unsigned export
-            from heads.signing import sign_folder
+            from draftsmith.heads.signing import sign_folder
             sign_folder(tmp)
         else:
             log.warning("export %s left unsigned: its package was loaded without a trusted "
@@ -240,14 +238,14 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------- command line
-@hydra.main(config_path="../conf/eval", config_name="export", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(cfg: Any) -> Path:
     """Command line: export ``cfg.draft`` as ``cfg.format`` into ``cfg.out``."""
     check_out(Path(cfg.draft), Path(cfg.out), bool(cfg.get("overwrite", False)))  # before loading
     target = None
     # the target's embedding goes into eagle-llm's reference file
     if cfg.target_path is not None or cfg.check_target or cfg.get("reference_files"):
-        from data.target import load_target
+        from draftsmith.data.target import load_target
         target = load_target(cfg.target_path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}.get(cfg.dtype)

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from heads.exports import WEIGHTS, fc_columns
-from heads.package import DraftPackage
+from draftsmith.heads.exports import WEIGHTS, fc_columns
+from draftsmith.heads.package import DraftPackage
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose dflash config this writes
 
@@ -54,8 +54,8 @@ def transformer_layer_config(pkg: DraftPackage, dtype: torch.dtype) -> dict[str,
     config: the target's widths, heads, head dim, RoPE and norm eps; SiLU; no biases)."""
     from transformers import Qwen3Config
 
-    from heads.dflash import dflash_layer_config
-    from scripts.export_formats import readable_by_older_loaders
+    from draftsmith.heads.dflash import dflash_layer_config
+    from draftsmith.scripts.export_formats import readable_by_older_loaders
 
     derived = dflash_layer_config(pkg.info["target_config"], pkg.head_config.num_layers)
     n = int(derived.num_hidden_layers)
@@ -80,7 +80,7 @@ def write_dflash(pkg: DraftPackage, tmp, opts: Any) -> None:
     """Write ``config.json`` and ``model.safetensors`` of a DFlash drafter into ``tmp``."""
     import transformers
 
-    from scripts.export_formats import (
+    from draftsmith.scripts.export_formats import (
         _refuse,
         _save,
         _speculators_config,

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from heads.exports import (
+from draftsmith.heads.exports import (
     EAGLE1_LAYER_KEYS,
     EAGLE3_LAYER_KEYS,
     EAGLE3_LAYER_PREFIX,
@@ -27,8 +27,8 @@ from heads.exports import (
     fc_columns,
     rename_prefix,
 )
-from heads.package import DraftPackage
-from scripts.export_dflash import write_dflash
+from draftsmith.heads.package import DraftPackage
+from draftsmith.scripts.export_dflash import write_dflash
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
 # EAGLE-1 config.json architectures per engine: vLLM renames "LlamaForCausalLM" to
@@ -58,7 +58,7 @@ def readable_by_older_loaders(cfg: dict) -> dict:
 def _layer_config(target_config: dict) -> dict:
     """The head's single Llama-style decoder layer, derived from the target's config (any
     architecture: ``heads.draft_config.draft_layer_config``), every field explicit."""
-    from heads.draft_config import draft_layer_config
+    from draftsmith.heads.draft_config import draft_layer_config
 
     derived = draft_layer_config(target_config).to_dict()
     cfg = {k: v for k, v in derived.items() if not k.startswith("_")}
@@ -227,7 +227,7 @@ class WriteOptions:
 
 
 def _write_gguf(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
-    from scripts.export_gguf import DTYPES, GGUF_FILE, vocab_source, write_gguf
+    from draftsmith.scripts.export_gguf import DTYPES, GGUF_FILE, vocab_source, write_gguf
 
     if opts.dtype not in DTYPES:
         raise ExportError(f"format=gguf writes float32 or float16 weights, not {opts.dtype}: "

@@ -41,7 +41,7 @@ def vocab_source(identity: dict, given: str | Path | None) -> Path:
         if not path.is_file():
             raise ValueError(f"gguf_vocab_from={given} is not a file: pass the target's GGUF")
         return path
-    from data.target import TargetNotFoundError, packaged_gguf, sha256_file
+    from draftsmith.data.target import TargetNotFoundError, packaged_gguf, sha256_file
 
     try:
         packaged = packaged_gguf()

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from heads.exports import MEDUSA_WEIGHTS, WEIGHTS
+from draftsmith.heads.exports import MEDUSA_WEIGHTS, WEIGHTS
 
 # Config keys each format's config.json must carry.
 REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {

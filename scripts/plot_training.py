@@ -15,10 +15,17 @@ import math
 import sys
 from pathlib import Path
 
+import hydra
 import matplotlib
+from omegaconf import DictConfig
+
+from draftsmith.eval import CONF_DIR
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+USAGE = ("usage: python scripts/plot_training.py run=OUT_DIR out=FILE.png\n"
+         "       python scripts/plot_training.py runs=[DIR,DIR] out=FILE.png [goal=0.7]")
 
 
 def trained_tokens(recs: list[dict]) -> dict[int, int]:
@@ -110,20 +117,76 @@ def plot(points: list[dict], out: Path, title: str) -> list[dict]:
     return fits
 
 
-def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if "run" not in args or "out" not in args:
-        sys.exit("usage: python scripts/plot_training.py run=OUT_DIR out=FILE.png")
-    run = Path(args["run"])
-    points = curve(run / "train_log.jsonl")
-    fits = plot(points, Path(args["out"]), run.name)
+def tokens_for(fit: tuple[float, float], alpha: float) -> float | None:
+    """Trained tokens at which the fit a + b log10(tokens) reaches ``alpha`` (None: flat)."""
+    a, b = fit
+    return 10 ** ((alpha - a) / b) if b > 0 else None
+
+
+def compare(runs: list[Path], out: Path, goal: float) -> list[dict]:
+    """Position-1 alpha-hat against trained tokens of several runs on one plot (+ CSV); per run
+    the log-linear fit and the tokens it extrapolates to for alpha-hat ``goal``."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    rows, fits = [], []
+    for run in runs:
+        points = [p for p in curve(run / "train_log.jsonl") if p["tokens"] > 0]
+        ax.plot([p["tokens"] for p in points], [p["alpha_hat"][0] for p in points], "o-",
+                label=run.name)
+        rows += [[run.name, p["step"], p["tokens"], f"{p['alpha_hat'][0]:.4f}"] for p in points]
+        fit = log_fit(points[1:] if len(points) > 2 else points, 0)
+        need = tokens_for(fit, goal) if fit else None
+        fits.append({"run": run.name, "tokens": points[-1]["tokens"],
+                     "alpha_hat": points[-1]["alpha_hat"][0],
+                     "b_per_decade": fit[1] if fit else None, "tokens_for_goal": need})
+    ax.axhline(goal, ls=":", color="grey")
+    ax.set_xscale("log")
+    ax.set_xlabel("trained tokens (position / slot 1)")
+    ax.set_ylabel("validation alpha-hat, position / slot 1")
+    ax.set_title(f"dotted: alpha-hat {goal}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        csv.writer(f).writerows([["run", "step", "tokens", "alpha_hat_pos1"], *rows])
+    return fits
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Plot ``cfg.run`` (every position) or ``cfg.runs`` (position 1 of each) into ``cfg.out``
+    and print the fits (options: ``conf/eval/plot_training.yaml``); returns the fits."""
+    if cfg.run is None and not cfg.runs:
+        sys.exit(f"run= or runs= is required\n{USAGE}")
+    if cfg.runs:  # runs=[DIR,DIR,...]: position 1 of each, one plot
+        runs = [cfg.runs] if isinstance(cfg.runs, str) else list(cfg.runs)
+        goal = float(cfg.goal)
+        fits = compare([Path(str(r)) for r in runs], Path(str(cfg.out)), goal)
+        for f in fits:
+            need = f["tokens_for_goal"]
+            print(f"{f['run']}: {f['tokens']} tokens, alpha-hat {f['alpha_hat']:.3f}; fit "
+                  + (f"+{f['b_per_decade']:.3f} per 10x tokens" if f["b_per_decade"] is not None
+                     else "none")
+                  + (f"; alpha-hat {goal} extrapolated at {need:.3g} tokens" if need else ""))
+        return fits
+    folder = Path(str(cfg.run))
+    points = curve(folder / "train_log.jsonl")
+    fits = plot(points, Path(str(cfg.out)), folder.name)
     for p in points:
         print(f"step {p['step']:>5}  tokens {p['tokens']:>9}  alpha-hat "
               + " ".join(f"{a:.3f}" for a in p["alpha_hat"]))
     for f in fits:
         print(f"position {f['position']}: +{f['b_per_decade']:.3f} alpha-hat per 10x tokens; "
               f"extrapolated at 10x the trained tokens: {f['at_10x']:.3f}")
+    return fits
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="plot_training", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: Hydra overrides of ``conf/eval/plot_training.yaml``."""
+    run(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -16,14 +16,14 @@ local key. It loads like any package.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import hydra
+from omegaconf import DictConfig
 
-from heads.package import PACKAGE_JSON, SPECULATION, derive_package, load_package
-from heads.quantize import SCHEMES, record
+from draftsmith.eval import CONF_DIR
+from draftsmith.heads.package import PACKAGE_JSON, SPECULATION, derive_package, load_package
+from draftsmith.heads.quantize import SCHEMES, record
 
 
 def quantize_package(draft: str | Path, out: str | Path, scheme: str = "int8") -> Path:
@@ -53,16 +53,19 @@ def quantize_package(draft: str | Path, out: str | Path, scheme: str = "int8") -
     return derive_package(src, dst, (SPECULATION, PACKAGE_JSON), write)
 
 
-def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = set(args) - {"draft", "out", "scheme"}
-    if unknown or "draft" not in args or "out" not in args:
-        sys.exit(f"usage: python scripts/quantize.py draft=PKG out=DIR [scheme={'|'.join(SCHEMES)}]"
-                 f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
-    out = quantize_package(args["draft"], args["out"], args.get("scheme", "int8"))
+def run(cfg: DictConfig) -> Path:
+    """Quantize ``cfg.draft`` into ``cfg.out`` (options: ``conf/eval/quantize.yaml``)."""
+    out = quantize_package(str(cfg.draft), str(cfg.out), str(cfg.scheme))
     n = len(json.loads((out / PACKAGE_JSON).read_text())["quantization"]["modules"])
-    print(f"quantized copy written to {out} ({n} Linear modules {args.get('scheme', 'int8')})")
+    print(f"quantized copy written to {out} ({n} Linear modules {cfg.scheme})")
+    return out
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="quantize", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: Hydra overrides of ``conf/eval/quantize.yaml``."""
+    run(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

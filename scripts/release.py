@@ -1,6 +1,8 @@
-"""Make a release copy of a draft package: 16-bit weights, every other file as is, a new manifest.
+"""Make a release copy of a draft package: 16-bit weights, every other file as is, a new manifest;
+or run a whole release recipe (``conf/release/<name>.yaml``: training stages, records, the copy).
 
     python scripts/release.py draft=outputs/eagle3_long/draft out=releases/eagle3-smollm2-135m
+    python scripts/release.py recipe=eagle3-smollm2-135m [out=DIR] [dry_run=true]   # make release
 
 Training keeps fp32 master weights; a release stores them in ``dtype`` (bf16 by default: the
 weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly). Integer and bool
@@ -10,26 +12,39 @@ and target identity, and its signature: a trusted signer), and ``out`` must not 
 inside it. The release is signed with the local signing key (``heads.signing``); for an official
 release point ``DRAFTSMITH_SIGNING_KEY`` at the release private key, whose public key is
 ``releases/keys/draftsmith-release.pub`` (trusted by every loader of this repository). The result
-loads like any package (``heads.package.load_package``).
+loads like any package (``heads.package.load_package``). A model card (``out/README.md``, not
+signed) already in ``out`` is kept.
+
+A recipe lists its steps in order: ``train`` steps run ``train/distill.py`` with those Hydra
+overrides in one process through accelerate (as ``make demo`` does), ``run`` steps a python
+command (``{out}`` is the release folder; a step with ``needs: FILE`` is skipped when FILE is
+absent). Each command is printed before it runs; the first failure stops the recipe, and running
+it again resumes (training continues from its newest checkpoint).
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import json
+import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
-from heads.family import WEIGHTS, get_family
-from heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.eval import CONF_DIR
+from draftsmith.heads.family import WEIGHTS, get_family
+from draftsmith.heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
 
+REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+RECIPES = REPO / "conf" / "release"
+TRAIN = ("accelerate", "launch", "--config_file", "conf/accelerate/single.yaml", "train/distill.py")
 
 
 def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
@@ -63,17 +78,68 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
     return derive_package(src, dst, (WEIGHTS,), write)
 
 
-def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = set(args) - {"draft", "out", "dtype"}
-    if unknown or "draft" not in args or "out" not in args:
-        sys.exit(f"usage: python scripts/release.py draft=PKG out=DIR [dtype=bfloat16|float16]"
-                 f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
-    out = release(args["draft"], args["out"], args.get("dtype", "bfloat16"),
-                  command="python scripts/release.py " + " ".join(argv))
+def recipe_steps(name: str, out: str | None = None) -> list[tuple[list[str], str | None]]:
+    """The commands of the recipe ``conf/release/<name>.yaml`` in order: (argv, the file the step
+    needs or None); ``out`` replaces the recipe's release folder."""
+    path = RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+        raise ValueError(f"recipe={name}: there is no conf/release/{name}.yaml (recipes: {known})")
+    spec = OmegaConf.to_container(OmegaConf.load(path))
+    out = str(out or spec["out"])
+    steps = []
+    for step in spec["steps"]:
+        if ("train" in step) == ("run" in step):
+            raise ValueError(f"{path}: a step has either train: [overrides] or run: [command], "
+                             f"not {sorted(step)}")
+        argv = ([str(Path(sys.executable).parent / TRAIN[0]), *TRAIN[1:], *step["train"]]
+                if "train" in step else [sys.executable, *step["run"]])
+        steps.append(([str(a).replace("{out}", out) for a in argv], step.get("needs")))
+    return steps
+
+
+def run_recipe(name: str, out: str | None = None, dry_run: bool = False) -> None:
+    """Run the recipe ``name`` from the repository root, step by step (``dry_run``: print only)."""
+    steps = recipe_steps(name, out)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    for i, (argv, needs) in enumerate(steps, 1):
+        print(f"\n=== recipe={name} step {i}/{len(steps)}\n$ {shlex.join(argv)}", flush=True)
+        if needs is not None and not (REPO / needs).is_file():
+            print(f"skipped: it needs {needs}, which is absent", flush=True)
+        elif not dry_run and subprocess.run(argv, cwd=REPO, env=env, check=False).returncode:
+            sys.exit(f"recipe={name} stopped: step {i} failed; fix it and run the same command "
+                     "again to resume")
+
+
+USAGE = ("usage: python scripts/release.py draft=PKG out=DIR [dtype=bfloat16|float16]\n"
+         "       python scripts/release.py recipe=NAME [out=DIR] [dry_run=true]")
+
+
+def run(cfg: DictConfig, command: str | None = None) -> Path | None:
+    """Release ``cfg.draft`` into ``cfg.out``, or run the recipe ``cfg.recipe`` (options:
+    ``conf/eval/release.yaml``); returns the release folder (None for a recipe)."""
+    if cfg.recipe is not None:
+        if cfg.draft is not None:
+            sys.exit(f"recipe= and draft= are two modes: pass one\n{USAGE}")
+        try:
+            run_recipe(str(cfg.recipe), None if cfg.out is None else str(cfg.out),
+                       str(cfg.dry_run).lower() in ("1", "true", "yes"))
+        except ValueError as e:
+            sys.exit(str(e))
+        return None
+    if cfg.draft is None or cfg.out is None:
+        sys.exit(f"draft= and out= are required (or recipe=)\n{USAGE}")
+    out = release(str(cfg.draft), str(cfg.out), str(cfg.dtype), command=command)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"release written to {out} ({size / 2**20:.1f} MiB)")
+    return out
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="release", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: Hydra overrides of ``conf/eval/release.yaml``."""
+    run(cfg, command="python scripts/release.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -1,6 +1,6 @@
 """Add ``token_frequency.json`` to a draft package trained before training wrote it.
 
-    python scripts/token_frequency.py draft=outputs/lm_self/draft [train_cache=DIR]
+    python scripts/token_frequency.py draft=outputs/lm_quick/draft [train_cache=DIR]
 
 Rebuilds the package's training split from its ``training_config.yaml`` (the feature cache is
 reused when it is still there, else rebuilt, which runs the target over the data again; or
@@ -12,16 +12,20 @@ manifest entry. ``eval/decode.py draft_vocab=N`` and ``eval/measure.py`` read it
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import hydra
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from heads.package import TRAINING_CONFIG, check_target, load_package, update_package_json
-from heads.vocab import TOKEN_FREQUENCY, frequency_record
+from draftsmith.eval import CONF_DIR
+from draftsmith.heads.package import (
+    TRAINING_CONFIG,
+    check_target,
+    load_package,
+    update_package_json,
+)
+from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
 
 log = logging.getLogger("draftsmith.token_frequency")
 
@@ -34,11 +38,11 @@ def add_token_frequency(pkg_dir: str | Path, train_cache: str | Path | None = No
         train_cache: the ``train`` folder of a feature cache to count (its target must be the
             package's); None rebuilds or reuses the split named by ``training_config.yaml``.
     """
-    from data.feature_data import FeatureDataset
-    from data.prepare import prepare_data
-    from data.target import load_target
-    from data.tiny import target_path_from_config
-    from train.distill import TRAIN_SPLIT_SOURCE
+    from draftsmith.data.feature_data import FeatureDataset
+    from draftsmith.data.prepare import prepare_data
+    from draftsmith.data.target import load_target
+    from draftsmith.data.tiny import target_path_from_config
+    from draftsmith.train.distill import TRAIN_SPLIT_SOURCE
 
     root = Path(pkg_dir)
     pkg = load_package(root)  # verifies the manifest first
@@ -62,14 +66,19 @@ def add_token_frequency(pkg_dir: str | Path, train_cache: str | Path | None = No
     return update_package_json(root, TOKEN_FREQUENCY, frequency_record(counts, TRAIN_SPLIT_SOURCE))
 
 
-def main(argv: list[str]) -> None:
-    args = OmegaConf.from_dotlist(argv)
-    if not args.get("draft"):
-        raise SystemExit("usage: python scripts/token_frequency.py draft=DIR [train_cache=DIR]")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = add_token_frequency(str(args.draft), args.get("train_cache"))
+def run(cfg: DictConfig) -> Path:
+    """Add the record to ``cfg.draft`` (options: ``conf/eval/token_frequency.yaml``)."""
+    cache = cfg.train_cache
+    path = add_token_frequency(str(cfg.draft), None if cache is None else str(cache))
     print(f"wrote {path}")
+    return path
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="token_frequency", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Command line: Hydra overrides of ``conf/eval/token_frequency.yaml``."""
+    run(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -71,7 +71,7 @@ class _TinyLoaded:
 
 def make_tiny_target(seed: int = 0, name: str = "tiny", **kw):
     """A LoadedTarget-like object around a tiny random Llama with a fake identity."""
-    from data.target import TargetIdentity
+    from draftsmith.data.target import TargetIdentity
 
     model = tiny_llama(seed=seed, **kw)
     cfg = model.config
@@ -102,7 +102,7 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def real_target():
     """The real SmolLM2-135M-Instruct target (converted once, then read from the cache)."""
-    from data.target import load_target
+    from draftsmith.data.target import load_target
 
     return load_target()
 
@@ -135,9 +135,9 @@ def decode_setup(tmp_path_factory):
     """
     import json
 
-    from data.target import load_target
-    from heads.draft_lm import DraftLMConfig, build_draft_lm
-    from heads.package import save_package
+    from draftsmith.data.target import load_target
+    from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
+    from draftsmith.heads.package import save_package
 
     root = tmp_path_factory.mktemp("decode_cli")
     target_dir = root / "target"
@@ -155,9 +155,9 @@ def decode_setup(tmp_path_factory):
 def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
     """The ``kind`` ("lm", "medusa", "eagle", "dflash") package on ``decode_setup``'s target and
     the export format that reads back as it."""
-    from heads.eagle import EagleConfig, build_eagle
-    from heads.medusa import MedusaConfig, build_medusa
-    from heads.package import save_package
+    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.medusa import MedusaConfig, build_medusa
+    from draftsmith.heads.package import save_package
 
     model, ident = setup["loaded"].model, setup["loaded"].identity
     if kind == "lm":
@@ -166,7 +166,7 @@ def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
         cfg = MedusaConfig(num_heads=3, num_layers=1)
         module, fmt = randomize(build_medusa(cfg, model), seed=2), "medusa"
     elif kind == "dflash":  # masked with the EOS id: the target's padding row is all zeros
-        from heads.family import get_family
+        from draftsmith.heads.family import get_family
 
         family = get_family("dflash")
         cfg = family.head_config({"block_size": 4, "mask_token_id": 2}, model.config)
@@ -194,13 +194,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     from omegaconf import OmegaConf
 
-    from scripts.engines import READY
+    from draftsmith.scripts.engines import READY
 
     root = REPO / str(OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml").engines_dir)
     if all((root / n / READY).is_file() for n in names):
         return
     root.mkdir(parents=True, exist_ok=True)
-    code = ("import os, sys; from pathlib import Path; from scripts.engines import ensure_env; "
+    code = ("import os, sys; from pathlib import Path; "
+            "from draftsmith.scripts.engines import ensure_env; "
             "os.nice(5); [ensure_env(n, Path(sys.argv[1])) for n in sys.argv[2:]]")
     with open(root / "prefetch.log", "w") as log:  # the child keeps its own descriptor
         _prefetch = subprocess.Popen([sys.executable, "-c", code, str(root), *names], cwd=REPO,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from heads.family import FAMILIES
+from draftsmith.heads.family import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("data", "heads", "train", "eval", "scripts")
@@ -35,7 +35,7 @@ def family_comparisons(text: str) -> list[str]:
 def test_the_family_check_catches_a_branch_on_a_family_name():
     assert family_comparisons('    if pkg.kind == "medusa":\n        pass')
     assert family_comparisons("if kind in ('lm', 'eagle'):")
-    assert not family_comparisons('proposer = "eval.proposers.DraftLMProposer"')
+    assert not family_comparisons('proposer = "draftsmith.eval.proposers.DraftLMProposer"')
 
 
 def test_no_code_branches_on_a_family_name_outside_the_family_files():
@@ -49,14 +49,69 @@ def test_no_code_branches_on_a_family_name_outside_the_family_files():
 
 def test_library_packages_do_not_import_scripts():
     bad = {p.relative_to(REPO).as_posix() for p in _sources(LIBRARY)
-           if re.search(r"^\s*(from scripts[ .]|import scripts\b)", p.read_text(), re.MULTILINE)}
+           if re.search(r"^\s*(from|import) draftsmith\.scripts\b", p.read_text(), re.MULTILINE)}
     assert not bad, f"imports from scripts/ run back up the floors: {sorted(bad)}"
+
+
+def test_one_import_namespace_and_no_sys_path_edits():
+    """Everything is imported as ``draftsmith.<folder>`` (the installed package, editable in a
+    checkout): no bare ``train.`` / ``eval.`` ... imports or ``_target_`` strings, and no
+    ``sys.path`` edits in the product code (a script run by path finds the package too)."""
+    bare = re.compile(rf"^\s*(from|import) ({'|'.join(PACKAGES)})\b", re.MULTILINE)
+    found = {p.relative_to(REPO).as_posix() for p in _sources((*PACKAGES, "tests"))
+             if bare.search(p.read_text())}
+    found |= {p.relative_to(REPO).as_posix() for p in (REPO / "conf").rglob("*.yaml")
+              if re.search(rf"_target_: ({'|'.join(PACKAGES)})\.", p.read_text())}
+    assert not found, f"bare first-party names (write draftsmith.<folder>...): {sorted(found)}"
+    edits = {p.relative_to(REPO).as_posix() for p in _sources(PACKAGES)
+             if re.search(r"\bsys\.path\b|\bsite\.addsitedir\b", p.read_text())}
+    assert not edits, f"sys.path edits (import draftsmith.* instead): {sorted(edits)}"
+
+
+def test_pyproject_installs_only_draftsmith_and_an_entry_point_per_command():
+    import tomllib  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setup = project["tool"]["setuptools"]
+    assert "find" not in setup.get("packages", {}), "packages are listed, not found"
+    assert all(name.startswith("draftsmith.") for name in setup["packages"]), setup["packages"]
+    assert set(setup["package-dir"]) == set(setup["packages"])
+    assert all((REPO / folder).is_dir() and "/" not in folder
+               for folder in setup["package-dir"].values()), setup["package-dir"]
+    targets = set()
+    for name, spec in project["project"]["scripts"].items():
+        module, func = spec.split(":")
+        assert name.startswith("draftsmith-") and module.startswith("draftsmith."), spec
+        source = REPO / Path(*module.split(".")[1:]).with_suffix(".py")
+        assert re.search(rf"^def {func}\(", source.read_text(), re.MULTILINE), spec
+        targets.add(source.relative_to(REPO).as_posix())
+    commands = {p.relative_to(REPO).as_posix() for p in _sources(PACKAGES)
+                if 'if __name__ == "__main__"' in p.read_text()
+                and "engine_runners" not in p.parts}
+    assert commands <= targets, f"commands without a draftsmith-* entry: {commands - targets}"
 
 
 def test_no_source_file_is_over_500_lines():
     long = {p.relative_to(REPO).as_posix(): n for p in _sources(PACKAGES)
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_every_command_line_takes_hydra_overrides():
+    """One CLI style: each command is a Hydra app (its config in conf/, one version_base), so
+    ``--help``, overrides and multirun behave the same everywhere. Not apps: the demo (it passes
+    its arguments to train/distill.py) and the engines' runners (child processes of engines.py)."""
+    wrappers = {"scripts/demo.py"}
+    mains, versions = set(), set()
+    for path in _sources(PACKAGES):
+        rel, text = path.relative_to(REPO).as_posix(), path.read_text()
+        versions |= set(re.findall(r"version_base=\"([^\"]*)\"", text))
+        if ('if __name__ == "__main__"' in text and rel not in wrappers
+                and not rel.startswith("scripts/engine_runners/")):
+            mains.add(rel)
+    not_hydra = sorted(m for m in mains if "hydra.main(" not in (REPO / m).read_text())
+    assert not not_hydra, f"command lines that do not take Hydra overrides: {not_hydra}"
+    assert versions == {"1.3"}, f"one Hydra version_base everywhere, not {sorted(versions)}"
 
 
 def test_ruff_is_clean():

@@ -138,6 +138,12 @@ def _free(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUME_FREE_KEYS)
 
 
+def _renamed(key: str, a: Any, b: Any) -> bool:
+    """A ``_target_`` recorded before the ``draftsmith.`` namespace (``train.losses.X``) names
+    the same object as ``draftsmith.train.losses.X``."""
+    return key.endswith("_target_") and isinstance(a, str) and b == f"draftsmith.{a}"
+
+
 def config_differences(saved: dict, current: dict, auto: tuple[str, ...] = ()) -> list[str]:
     """``key: checkpoint A, this run B`` for every resolved-config key that differs and would
     change the weights (``RESUME_FREE_KEYS`` are skipped, ``GROWING_KEYS`` may grow, the
@@ -146,7 +152,7 @@ def config_differences(saved: dict, current: dict, auto: tuple[str, ...] = ()) -
     diffs = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
-        if a == b or _free(key) or key in auto:
+        if a == b or _free(key) or key in auto or _renamed(key, a, b):
             continue
         if (key in GROWING_KEYS and isinstance(a, (int, float))
                 and isinstance(b, (int, float)) and b >= a):
@@ -162,7 +168,7 @@ def check_resumable(ckpt: Path, current: dict, auto: tuple[str, ...] = ()) -> di
         ConfigError: the checkpoint's recorded config differs (each key with both values) or
             none is recorded, with the fixes.
     """
-    from train.config import ConfigError
+    from draftsmith.train.config import ConfigError
 
     state = load_trainer_state(ckpt)
     saved = state.get("config")

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from heads.family import FAMILIES, get_family
-from train.losses import LOSS_TERMS  # the terms DistillLoss computes, listed once
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.train.losses import LOSS_TERMS  # the terms DistillLoss computes, listed once
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 TARGET_DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -118,7 +118,7 @@ def resolve_auto_dtypes(cfg: DictConfig) -> None:
     """Replace ``target.dtype=auto`` and ``train.mixed_precision=auto`` in place by the dtype
     measured fastest here (``data.dtype.fastest_dtype``), so the package's config records what
     ran. On CUDA, auto means bf16."""
-    from data.dtype import fastest_dtype
+    from draftsmith.data.dtype import fastest_dtype
 
     wants = cfg.target.dtype == "auto" or cfg.train.mixed_precision == "auto"
     if not wants:

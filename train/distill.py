@@ -26,13 +26,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.feature_data import open_features
-from data.features import logit_softcap, teacher_logits
-from heads.manifest import write_json_atomic
-from train import checkpoint as ckpt
-from train.config import (
+from draftsmith.data.feature_data import open_features
+from draftsmith.data.features import logit_softcap, teacher_logits
+from draftsmith.heads.manifest import write_json_atomic
+from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
+from draftsmith.train import checkpoint as ckpt
+from draftsmith.train.config import (
     MIXED_PRECISION,
     TARGET_DTYPES,
     ConfigError,
@@ -41,11 +40,11 @@ from train.config import (
     validate_against_target,
     validate_config,
 )
-from train.losses import feature_regression, shared_teacher_rows
-from train.memory import check_deepspeed_clipping as check_clipping
-from train.memory import check_memory_on_all_ranks as check_memory
-from train.memory import recompute_loss, shared_teacher_fits
-from train.runtime import (
+from draftsmith.train.losses import feature_regression, shared_teacher_rows
+from draftsmith.train.memory import check_deepspeed_clipping as check_clipping
+from draftsmith.train.memory import check_memory_on_all_ranks as check_memory
+from draftsmith.train.memory import recompute_loss, shared_teacher_fits
+from draftsmith.train.runtime import (
     StepLog,
     batch_fingerprints,
     cosine_with_warmup,
@@ -59,11 +58,11 @@ from train.runtime import (
     reexec_with_tuned_malloc,
     trim_freed_memory,
 )
-from train.trainable import build_trainable
+from draftsmith.train.trainable import build_trainable
 
 log = logging.getLogger("draftsmith.distill")
-# what token_frequency.json counts (heads/vocab.py)
-TRAIN_SPLIT_SOURCE = "training split: target ids at loss-masked positions"
+CONF = Path(__file__).resolve().parents[1] / "conf"  # draftsmith/conf in a wheel
+TRAIN_SPLIT_SOURCE = "training split: target ids at loss-masked positions"  # token_frequency.json
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -101,8 +100,8 @@ class DistillRecipe:
                  os.environ.get("DRAFTSMITH_MALLOC", "default"))
 
         # 1. target (converted once by the main process, then read from the cache by all)
-        from data.target import load_target
-        from data.tiny import target_path_from_config
+        from draftsmith.data.target import load_target
+        from draftsmith.data.tiny import target_path_from_config
 
         with main_process_first(acc, cfg.train.cache_wait_s):
             self.target = load_target(target_path_from_config(cfg.target),
@@ -113,7 +112,7 @@ class DistillRecipe:
         validate_against_target(cfg, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)
 
         # 2. feature cache: every rank writes its share of the shards, then all read them all
-        from data.prepare import prepare_data
+        from draftsmith.data.prepare import prepare_data
 
         ranks = (acc.process_index, acc.num_processes,
                  functools.partial(long_barrier, acc, cfg.train.cache_wait_s))
@@ -281,7 +280,7 @@ class DistillRecipe:
     @torch.no_grad()
     def validate(self) -> dict:
         """Per draft position: expected acceptance sum(min(p, q)) and top-1 agreement."""
-        from train.metrics import acceptance_stats
+        from draftsmith.train.metrics import acceptance_stats
 
         model = self.draft.module
         model.eval()
@@ -432,8 +431,6 @@ class DistillRecipe:
         if not acc.is_main_process:
             acc.wait_for_everyone()
             return None
-        from heads.vocab import TOKEN_FREQUENCY, frequency_record
-
         counts = self.train_set.token_counts(int(self.target.model.config.vocab_size))
         pkg = self.draft.save_package(
             self.out_dir / "draft", module,
@@ -455,8 +452,7 @@ class DistillRecipe:
             write_json_atomic(self.out_dir / name, obj)
 
     def _read_json(self, name: str):
-        path = self.out_dir / name
-        return json.loads(path.read_text()) if path.is_file() else None
+        return json.loads(p.read_text()) if (p := self.out_dir / name).is_file() else None
 
 
 def run(cfg: DictConfig) -> dict:
@@ -485,7 +481,7 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-@hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
+@hydra.main(config_path=str(CONF), config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
@@ -494,7 +490,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:  # draftsmith-distill or python train/distill.py: one process
     reexec_with_tuned_malloc()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from data import features
+from draftsmith.data import features
 
 LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")  # the config validator reads these
 

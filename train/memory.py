@@ -45,8 +45,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from train.config import ConfigError
-from train.losses import TEACHER_CHUNK_ELEMENTS
+from draftsmith.train.config import ConfigError
+from draftsmith.train.losses import TEACHER_CHUNK_ELEMENTS
 
 log = logging.getLogger("draftsmith.distill")
 
@@ -450,7 +450,7 @@ def check_memory_on_all_ranks(cfg: Any, target_model: Any, draft: Any, accelerat
     own usable memory, and a lone refusal would leave the others waiting)."""
     import torch
 
-    from train.config import ConfigError
+    from draftsmith.train.config import ConfigError
 
     error = None
     try:
@@ -469,7 +469,7 @@ def check_memory_on_all_ranks(cfg: Any, target_model: Any, draft: Any, accelerat
 
 def check_deepspeed_clipping(accelerator: Any, cfg: Any) -> None:
     """DeepSpeed's JSON ``gradient_clipping`` must equal ``train.max_grad_norm``."""
-    from train.config import ConfigError
+    from draftsmith.train.config import ConfigError
 
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:

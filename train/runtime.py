@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
 
-from train.config import ConfigError
+from draftsmith.train.config import ConfigError
 
 log = logging.getLogger("draftsmith.distill")
 
@@ -210,7 +210,7 @@ def peer_lost(error: BaseException, acc, timeout_s: float | None, out_dir: Path)
                "NCCL", "Broken pipe", "ProcessGroup")
     if acc.num_processes == 1 or not any(m in text for m in markers):
         return error
-    from train.checkpoint import latest_checkpoint
+    from draftsmith.train.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out_dir)
     return PeerLostError(
@@ -263,7 +263,7 @@ def make_epoch_loader(dataset, batch_size: int, seed: int, epoch: int, shuffle: 
     """
     from accelerate.data_loader import prepare_data_loader, skip_first_batches
 
-    from data.feature_data import collate_features
+    from draftsmith.data.feature_data import collate_features
 
     world = 1 if own_batches is not None else accelerator.num_processes
     lengths = (dataset.lengths() if shuffle and bucket_batches > 0

@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from heads.blocks import DistillTarget
-from heads.family import DraftFamily, get_family
+from draftsmith.heads.blocks import DistillTarget
+from draftsmith.heads.family import DraftFamily, get_family
 
 
 class DistillModule(nn.Module):
@@ -73,7 +73,7 @@ class TrainableDraft:
 
     def save_package(self, out_dir: Path, unwrapped: nn.Module, extra_json: dict,
                      train_config: dict, train_log: Path | None = None) -> Path:
-        from heads.package import save_package
+        from draftsmith.heads.package import save_package
 
         draft = unwrapped.draft if isinstance(unwrapped, DistillModule) else unwrapped
         extra = dict(extra_json)
@@ -135,7 +135,7 @@ def _init_package(cfg: DictConfig, target, family: DraftFamily, draft_cfg: dict)
     init_from = draft_cfg.get("init_from")
     if not init_from:
         return None
-    from heads.package import load_package
+    from draftsmith.heads.package import load_package
 
     pkg = load_package(init_from, target=target)
     if pkg.kind != family.name:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from data import features
-from data.feature_data import FeatureDataset
-from data.features import FeatureCacheError, build_feature_cache, probe_cache_dtype
+from draftsmith.data import features
+from draftsmith.data.feature_data import FeatureDataset
+from draftsmith.data.features import FeatureCacheError, build_feature_cache, probe_cache_dtype
 
 
 def rows(n: int = 6, vocab: int = 96) -> list[dict]:
@@ -56,7 +56,7 @@ def test_auto_caches_bfloat16_where_float16_overflows(tmp_path, caplog):
     target = loud_target()
     with pytest.raises(FeatureCacheError, match="'hidden' overflows torch.float16"):
         build_feature_cache(target, rows(), tmp_path / "fp16", dtype="float16", progress=False)
-    with caplog.at_level("INFO", logger="data.features"):
+    with caplog.at_level("INFO", logger="draftsmith.data.features"):
         man = build_feature_cache(target, rows(), tmp_path / "auto", dtype="auto",
                                   shard_size=4, progress=False)
     assert "feature cache dtype auto: bfloat16" in caplog.text
@@ -106,7 +106,7 @@ def test_auto_that_meets_an_overflow_later_names_the_fix(tmp_path, monkeypatch):
 def test_prepare_data_with_auto_reuses_a_float16_cache_of_the_same_data(tmp_path):
     from test_features import _chat_target_and_data
 
-    from data.prepare import prepare_data
+    from draftsmith.data.prepare import prepare_data
 
     target, cfg = _chat_target_and_data(tmp_path)
     cfg.num_conversations = 12

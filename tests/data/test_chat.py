@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_char_tokenizer
 
-from data.chat import (
+from draftsmith.data.chat import (
     ChatTemplateError,
     assistant_spans,
     split_conversations,
@@ -12,7 +12,7 @@ from data.chat import (
     tokenize_conversation,
     tokenize_conversations,
 )
-from data.sharegpt import Conversation
+from draftsmith.data.sharegpt import Conversation
 
 
 def conv(cid: str, *pairs: tuple[str, str]) -> Conversation:

@@ -6,11 +6,16 @@ import pytest
 from conftest import make_char_tokenizer, make_tiny_target, tiny_llama
 from transformers import AutoTokenizer
 
-from data.chat import assistant_spans, tokenize_conversation
-from data.feature_data import FeatureDataset
-from data.regenerate import cut_reply, regenerate_conversations, stop_criteria, stop_strings
-from data.sharegpt import Conversation
-from data.target import (
+from draftsmith.data.chat import assistant_spans, tokenize_conversation
+from draftsmith.data.feature_data import FeatureDataset
+from draftsmith.data.regenerate import (
+    cut_reply,
+    regenerate_conversations,
+    stop_criteria,
+    stop_strings,
+)
+from draftsmith.data.sharegpt import Conversation
+from draftsmith.data.target import (
     PLAIN_CHAT_TEMPLATE,
     PLAIN_STOP_STRINGS,
     apply_chat_format,
@@ -33,7 +38,7 @@ def base_tokenizer():
 
 def test_a_base_tokenizer_gets_the_plain_format(caplog):
     tok = base_tokenizer()
-    with caplog.at_level("INFO", logger="data.chat_format"):
+    with caplog.at_level("INFO", logger="draftsmith.data.chat_format"):
         assert apply_chat_format(tok, None, "base") == "plain"
     assert tok.chat_template == PLAIN_CHAT_TEMPLATE
     assert "plain completion format" in caplog.text and "no chat template" in caplog.text
@@ -115,7 +120,7 @@ def test_a_chat_format_other_than_the_tokenizers_gets_its_own_feature_cache(tmp_
     format that made the token ids when it is another one."""
     from test_features import _chat_target_and_data
 
-    from data.prepare import prepare_data
+    from draftsmith.data.prepare import prepare_data
 
     target, cfg = _chat_target_and_data(tmp_path)
     cfg.num_conversations = 8

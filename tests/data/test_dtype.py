@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from data import dtype as dt
+from draftsmith.data import dtype as dt
 
 
 def test_auto_picks_bf16_only_when_it_is_clearly_faster(monkeypatch):

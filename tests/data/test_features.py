@@ -9,9 +9,14 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from data.feature_data import FeatureDataset, collate_features, read_manifest, verify_cache
-from data.features import FeatureCacheError, build_feature_cache, teacher_logits
-from data.target import TargetMismatchError
+from draftsmith.data.feature_data import (
+    FeatureDataset,
+    collate_features,
+    read_manifest,
+    verify_cache,
+)
+from draftsmith.data.features import FeatureCacheError, build_feature_cache, teacher_logits
+from draftsmith.data.target import TargetMismatchError
 
 
 def make_rows(n: int = 11, vocab: int = 96, seed: int = 0) -> list[dict]:
@@ -186,8 +191,8 @@ def _tv(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.real
 def test_fp16_cache_reproduces_the_real_target_distribution(tmp_path, real_target):
-    from data.chat import tokenize_conversations
-    from data.sharegpt import read_sharegpt
+    from draftsmith.data.chat import tokenize_conversations
+    from draftsmith.data.sharegpt import read_sharegpt
 
     convs, _ = read_sharegpt(limit=4)
     ds, _ = tokenize_conversations(convs, real_target.tokenizer, max_length=96)
@@ -239,7 +244,7 @@ def _sharegpt_file(path, n=30):
 
 
 def test_prepare_data_builds_then_reuses_caches(tmp_path):
-    from data.prepare import prepare_data
+    from draftsmith.data.prepare import prepare_data
 
     target, cfg = _chat_target_and_data(tmp_path)
     cfg.num_conversations = 25
@@ -270,10 +275,10 @@ def test_prepare_data_regenerates_every_split_in_shared_batches(tmp_path, monkey
     """data.regenerate: train and val replies come from one regeneration run (a small val split
     does not pay a generation of its own), each split's replies in its own file, and the caches
     hold the regenerated conversations."""
-    from data import regenerate
-    from data.chat import tokenize_conversations
-    from data.prepare import prepare_data
-    from data.sharegpt import Conversation
+    from draftsmith.data import regenerate
+    from draftsmith.data.chat import tokenize_conversations
+    from draftsmith.data.prepare import prepare_data
+    from draftsmith.data.sharegpt import Conversation
 
     target, cfg = _chat_target_and_data(tmp_path)
     cfg.num_conversations = 12
@@ -307,7 +312,7 @@ def _long_rows(n: int, length: int, vocab: int = 96) -> list[dict]:
 def test_skip_conversations_reads_the_ones_after(tmp_path):
     """skip=10, n=15 trains on exactly the conversations 10..24 that n=25 adds to n=10 (the split
     is by id, so each keeps its split); ignoring the skip would re-read 0..14."""
-    from data.prepare import prepare_data
+    from draftsmith.data.prepare import prepare_data
 
     target, cfg = _chat_target_and_data(tmp_path)
     cfg.split = {"val": 0.2, "test": 0.2}
@@ -331,7 +336,7 @@ def test_select_keeps_a_task_type_and_counts_within_it(tmp_path):
     exclude, and skip / num count within that subset: skip 2 / n 3 of the even-numbered
     conversations reads exactly 4, 6, 8, 14, 16 (10 and 12 excluded); filtering after the count
     (conversations 2-6, then the even ones) would give 2, 4, 6 and fail."""
-    from data.prepare import prepare_data
+    from draftsmith.data.prepare import prepare_data
 
     target, cfg = _chat_target_and_data(tmp_path)
     cfg.split = {"val": 0.5, "test": 0.0}
@@ -357,7 +362,7 @@ def test_the_final_hidden_state_is_recomputed_from_a_cached_layer(start):
     """final_from_layer(hidden_states[L]) is the model's own final-norm output for every L, on
     right-padded rows (padding after a row's tokens does not reach them); starting one layer
     late (hidden_states[L] fed to layers L+1..) gives other numbers."""
-    from data.features import final_from_layer
+    from draftsmith.data.features import final_from_layer
 
     model = make_tiny_target(layers=4).model.float()
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -377,7 +382,7 @@ def test_a_cache_without_the_final_hidden_state_recomputes_it_per_batch(tmp_path
     RecomputedFinal's batches carry the final hidden states and teacher the stored cache has
     (within the cache dtype's rounding of layer L); a final_from that is not a stored layer
     below the last is refused."""
-    from data.feature_data import RecomputedFinal, open_features
+    from draftsmith.data.feature_data import RecomputedFinal, open_features
 
     target = make_tiny_target(layers=3)
     rows = _long_rows(5, 20)
@@ -412,7 +417,7 @@ def test_the_storage_estimate_is_within_one_percent_of_the_cache_it_builds(tmp_p
     import logging
 
     rows = _long_rows(24, 300)
-    with caplog.at_level(logging.INFO, logger="data.features"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.data.features"):
         man = build_feature_cache(tiny_target, rows, tmp_path / "c", layers=[1], shard_size=8,
                                   progress=False)
     line = next(r.getMessage() for r in caplog.records if "bytes per token" in r.getMessage())

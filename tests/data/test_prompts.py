@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import MT_BENCH
 
-from data.prompts import PromptSetError, load_prompts
+from draftsmith.data.prompts import PromptSetError, load_prompts
 
 
 def test_mt_bench_question_file():
@@ -29,7 +29,7 @@ def test_humaneval():
 
 
 def test_sharegpt_test_split_first_turns():
-    from data.chat import split_of
+    from draftsmith.data.chat import split_of
 
     prompts = load_prompts("sharegpt", limit=20)
     assert len(prompts) == 20
@@ -49,7 +49,7 @@ def test_errors(tmp_path):
 
 
 def test_a_question_without_turns_is_refused_naming_file_line_and_id(tmp_path):
-    from data.prompts import check_prompt_set
+    from draftsmith.data.prompts import check_prompt_set
 
     path = tmp_path / "q.jsonl"
     path.write_text('{"question_id": 81, "turns": ["hi"]}\n\n'

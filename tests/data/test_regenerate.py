@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import make_char_tokenizer, make_tiny_target
 
-from data.regenerate import regenerate_conversations, regenerate_splits
-from data.sharegpt import Conversation
+from draftsmith.data.regenerate import regenerate_conversations, regenerate_splits
+from draftsmith.data.sharegpt import Conversation
 
 
 class Boom(RuntimeError):

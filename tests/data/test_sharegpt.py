@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-import data.sharegpt as sg
-from data.sharegpt import ShareGPTFormatError, iter_sharegpt, read_sharegpt
+import draftsmith.data.sharegpt as sg
+from draftsmith.data.sharegpt import ShareGPTFormatError, iter_sharegpt, read_sharegpt
 
 
 def record(i: int, roles=("human", "gpt")) -> dict:

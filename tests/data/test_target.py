@@ -8,8 +8,8 @@ import torch
 from conftest import make_char_tokenizer, tiny_llama
 from transformers import ViTConfig
 
-import data.target as tg
-from data.target import (
+import draftsmith.data.target as tg
+from draftsmith.data.target import (
     TargetIdentity,
     TargetMismatchError,
     TargetNotFoundError,

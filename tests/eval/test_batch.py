@@ -11,11 +11,11 @@ import statistics
 import pytest
 import torch
 
-from eval.batch import BatchDecoder
-from eval.decoder import SpeculativeDecoder
-from eval.proposers import DraftLMProposer, PlainProposer
-from eval.proposers_eagle import EagleProposer
-from eval.slots import PackedSlotCache, SlotCache
+from draftsmith.eval.batch import BatchDecoder
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposers import DraftLMProposer, PlainProposer
+from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.eval.slots import PackedSlotCache, SlotCache
 from tests.conftest import randomize, tiny_llama
 from tests.eval.test_decoder import PROMPTS, VOCAB, hf_greedy
 from tests.eval.test_sampling_exact import (
@@ -37,7 +37,7 @@ def target_model():
 
 
 def make(name: str, model):
-    from heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import EagleConfig, build_eagle
 
     if name == "plain":
         return PlainProposer()
@@ -120,14 +120,14 @@ def test_packed_cache_masks_positions_keep_and_select():
 def test_fallen_back_rows_feed_one_token_when_packed(target_model, layout, monkeypatch):
     # row 1's drafts are always wrong: it falls back while row 0 goes on speculating at K = 3;
     # packed, its verification slot is one token (the block has 4 + 1), padded it is 4 (4 + 4)
-    from eval.stats import KController
-    from scripts.bench_batch import Hostile
+    from draftsmith.eval.stats import KController
+    from draftsmith.scripts.bench_batch import Hostile
 
     class Untimed(KController):  # the fallback test on tokens per step alone, not timings
         def is_loss(self) -> bool:
             return statistics.fmean(s.tokens for s in self.history) < 1.5
 
-    monkeypatch.setattr("eval.batch.KController", Untimed)
+    monkeypatch.setattr("draftsmith.eval.batch.KController", Untimed)
     proposer = make("lm", target_model)
     dec = BatchDecoder(target_model, proposer, k=3, fallback=True, layout=layout)
     dec.drafter = Hostile(dec.drafter, [1], VOCAB)
@@ -302,8 +302,8 @@ def test_batched_rows_equal_batch_one_on_the_real_target(real_target, layout, tr
     # lengths is, token for token and acceptance for acceptance, its batch-one decoding
     from pathlib import Path
 
-    from eval.draft import build_proposer, load_draft, settle
-    from eval.session import encode_prompt
+    from draftsmith.eval.draft import build_proposer, load_draft, settle
+    from draftsmith.eval.session import encode_prompt
 
     model = copy.deepcopy(real_target.model).float().eval()
     pkg = load_draft(Path(__file__).resolve().parents[2] / "releases/eagle3-smollm2-135m",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eval import report
-from eval.cost import (
+from draftsmith.eval import report
+from draftsmith.eval.cost import (
     Costs,
     best_k,
     choose_kstar,
@@ -19,10 +19,10 @@ from eval.cost import (
     parse_costs,
     speedup,
 )
-from eval.kstar import choose_kstar as kstar_choose_kstar
-from eval.kstar import measure_speculation
-from eval.proposers import DraftLMProposer
-from eval.target_model import Target
+from draftsmith.eval.kstar import choose_kstar as kstar_choose_kstar
+from draftsmith.eval.kstar import measure_speculation
+from draftsmith.eval.proposers import DraftLMProposer
+from draftsmith.eval.target_model import Target
 from tests.conftest import tiny_llama
 
 ALPHA = [0.8, 0.5, 0.25]

@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import QUESTIONS, draft_package
 
-from eval import decode, measure
-from eval.draft import settle
-from eval.report import parse_costs
-from heads.package import PackageIntegrityError, load_package, update_package_json
-from scripts.export import export_package
+from draftsmith.eval import decode, measure
+from draftsmith.eval.draft import settle
+from draftsmith.eval.report import parse_costs
+from draftsmith.heads.package import PackageIntegrityError, load_package, update_package_json
+from draftsmith.scripts.export import export_package
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"tokens_generated", "target_forwards", "tau", "acceptance_rate", "alpha",
@@ -249,7 +249,7 @@ def test_measure_and_decode_a_dflash_chain_and_its_export(decode_setup, tmp_path
 def test_draft_vocab_is_measured_and_decoded_losslessly(decode_setup, tmp_path, kind):
     import shutil
 
-    from heads.vocab import TOKEN_FREQUENCY, frequency_record
+    from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
 
     src, _ = draft_package(decode_setup, kind)
     pkg = tmp_path / kind

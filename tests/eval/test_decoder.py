@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eval.decoder import SpeculativeDecoder
-from eval.proposal import DecodeContext, Proposal
-from eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer, Proposer
-from eval.proposers_eagle import EagleProposer
-from eval.proposers_medusa import MedusaProposer, medusa_choices
-from eval.target_model import Target
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposal import DecodeContext, Proposal
+from draftsmith.eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.eval.target_model import Target
 from tests.conftest import tiny_llama
 
 VOCAB = 64
@@ -75,12 +75,12 @@ def make_proposer(name: str, model):
         return DraftLMProposer(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB, tree=True,
                                topk=3, total_tokens=10)
     if name == "medusa":
-        from heads.medusa import MedusaConfig, build_medusa
+        from draftsmith.heads.medusa import MedusaConfig, build_medusa
         torch.manual_seed(3)
         return MedusaProposer(build_medusa(MedusaConfig(num_heads=3), model).eval(), VOCAB,
                               medusa_choices((3, 2, 1)))
     if name in ("eagle", "eagle-tree"):
-        from heads.eagle import EagleConfig, build_eagle
+        from draftsmith.heads.eagle import EagleConfig, build_eagle
         torch.manual_seed(4)
         head = build_eagle(EagleConfig(), model).eval()
         return EagleProposer(head, VOCAB, tree=name == "eagle-tree", topk=3, total_tokens=10)
@@ -241,7 +241,7 @@ def test_native_gqa_skips_the_kv_copy_and_leaves_the_environment_alone(target_mo
 
     import transformers.integrations.sdpa_attention as sdpa
 
-    from eval.target_model import FORCE_GQA_ENV, native_gqa
+    from draftsmith.eval.target_model import FORCE_GQA_ENV, native_gqa
 
     assert target_model.config.num_key_value_heads < target_model.config.num_attention_heads
     copies = []

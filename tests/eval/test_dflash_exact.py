@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.decoder import SpeculativeDecoder
-from eval.proposal import Proposal
-from eval.proposers_dflash import DFlashProposer
-from heads.family import get_family
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposal import Proposal
+from draftsmith.eval.proposers_dflash import DFlashProposer
+from draftsmith.heads.family import get_family
 from tests.eval.test_sampling_exact import (
     DEEP_K,
     DEEP_NEW,
@@ -76,7 +76,7 @@ def _p_value(setting: dict, proposer_class=DFlashProposer) -> float:
 
 def test_the_drafters_neighbouring_slots_disagree():
     """What makes the twin meaningful: the block's slots draft from clearly different laws."""
-    from eval.target_model import Target
+    from draftsmith.eval.target_model import Target
 
     model = _binary_llama(seed=1)
     drafter = _drafter(model)

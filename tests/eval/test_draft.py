@@ -6,9 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval import draft
-from eval.draft import DEFAULT_K, DEFAULT_TREE_SIZE, Measured, TreeMode, resolve_k, settle
-from heads.family import FAMILIES, TreeKind, get_family
+from draftsmith.eval import draft
+from draftsmith.eval.draft import (
+    DEFAULT_K,
+    DEFAULT_TREE_SIZE,
+    Measured,
+    TreeMode,
+    resolve_k,
+    settle,
+)
+from draftsmith.heads.family import FAMILIES, TreeKind, get_family
 
 OPTIONS = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8,
            "medusa_branching": None, "draft_vocab": None, "dtype": "bfloat16", "device": "cpu"}

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import make_char_tokenizer, tiny_llama
 
-from data.target import load_target
-from eval import exactness
+from draftsmith.data.target import load_target
+from draftsmith.eval import exactness
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = [1, 5, 9, 13, 5, 9, 20]
@@ -147,9 +147,9 @@ def test_tiny_check_passes_for_every_standin_proposer(tiny_setup):
 
 
 def test_tiny_check_covers_a_frequent_token_draft_vocabulary(tiny_setup):
-    from heads.draft_lm import DraftLMConfig, build_draft_lm
-    from heads.package import save_package, update_package_json
-    from heads.vocab import frequency_record
+    from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
+    from draftsmith.heads.package import save_package, update_package_json
+    from draftsmith.heads.vocab import frequency_record
 
     loaded = tiny_setup["loaded"]
     cfg = DraftLMConfig.matching(loaded.model.config, 1, init="target")
@@ -167,7 +167,7 @@ def test_tiny_check_covers_a_frequent_token_draft_vocabulary(tiny_setup):
 
 
 def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monkeypatch):
-    from eval import decoder
+    from draftsmith.eval import decoder
 
     def accept_all(p, q, draft, generator):  # broken: accepts every draft, bonus = argmax
         return int(draft.shape[0]), int(p[-1].argmax())
@@ -241,7 +241,7 @@ def test_native_gqa_verify_forward_is_bitwise_equal_on_the_real_target(real_targ
 
     import transformers.integrations.sdpa_attention as sdpa
 
-    import eval.target_model as tm
+    import draftsmith.eval.target_model as tm
 
     model = copy.deepcopy(real_target.model).to(dtype).eval()
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA target

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.decoder import SpeculativeDecoder
-from eval.proposers import DraftLMProposer
-from eval.proposers_eagle import EagleProposer
-from eval.proposers_medusa import MedusaProposer, medusa_choices
-from heads.family import get_family
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposers import DraftLMProposer
+from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.heads.family import get_family
 
 pytestmark = pytest.mark.real
 NEW = 8
@@ -18,7 +18,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def gemma():
-    from data.target import load_target
+    from draftsmith.data.target import load_target
 
     return load_target("pkg:gemma3_270m")
 

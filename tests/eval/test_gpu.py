@@ -24,8 +24,8 @@ TINY = ["debug=tiny", "data=sharegpt_tiny", "data.num_conversations=24", "data.m
 def on_cuda():
     """A tiny target whose greedy outputs vary, a draft LM that agrees with it now and then (both
     on the GPU) and two chat prompts."""
-    from eval.session import encode_prompt
-    from heads.draft_lm import DraftLMConfig, build_draft_lm
+    from draftsmith.eval.session import encode_prompt
+    from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 
     model = tiny_llama(seed=3, initializer_range=0.5)
     draft = randomize(build_draft_lm(DraftLMConfig.matching(model.config, 2, init="target"),
@@ -37,14 +37,14 @@ def on_cuda():
 
 
 def _proposer(draft, model, tree: bool):
-    from eval.proposers import DraftLMProposer
+    from draftsmith.eval.proposers import DraftLMProposer
 
     return DraftLMProposer(draft, model.config.vocab_size, tree=tree, topk=3, total_tokens=8)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_greedy_speculative_decoding_on_cuda_equals_plain_decoding(on_cuda, tree):
-    from eval.session import Sampling, decoder, eos_ids, paired
+    from draftsmith.eval.session import Sampling, decoder, eos_ids, paired
 
     model, draft, records = on_cuda
     dec = decoder(model, _proposer(draft, model, tree), records, k=3, adaptive=False,
@@ -63,8 +63,8 @@ def test_greedy_speculative_decoding_on_cuda_equals_plain_decoding(on_cuda, tree
 def test_sampling_at_temperature_one_runs_on_cuda(on_cuda, drafter):
     """The decoder's random generator must live where the target's logits are: a CPU
     ``torch.Generator`` cannot drive ``torch.multinomial`` / ``torch.rand`` on CUDA tensors."""
-    from eval.proposers import PlainProposer
-    from eval.session import decoder
+    from draftsmith.eval.proposers import PlainProposer
+    from draftsmith.eval.session import decoder
 
     model, draft, records = on_cuda
     proposer = (PlainProposer() if drafter == "plain"
@@ -79,7 +79,7 @@ def test_sampling_at_temperature_one_runs_on_cuda(on_cuda, drafter):
 
 
 def test_auto_dtype_on_cuda_is_a_supported_dtype():
-    from data.dtype import CANDIDATES, matmul_rates, resolve_dtype
+    from draftsmith.data.dtype import CANDIDATES, matmul_rates, resolve_dtype
 
     name = resolve_dtype("auto", CUDA)
     assert name in CANDIDATES
@@ -92,7 +92,7 @@ def test_one_bf16_training_step_of_the_tiny_recipe_on_cuda(tmp_path):
     from accelerate.state import AcceleratorState
     from hydra import compose, initialize_config_dir
 
-    from train.distill import DistillRecipe
+    from draftsmith.train.distill import DistillRecipe
 
     overrides = TINY + ["draft=medusa", "train.max_steps=1", "train.eval_every=1",
                         "train.save_every=1", "train.mixed_precision=bf16", f"out_dir={tmp_path}"]

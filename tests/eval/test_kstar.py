@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from eval.cost import Costs, expected_tokens, parse_costs
-from eval.kstar import choose_kstar, measure_speculation
-from eval.proposers import DraftLMProposer
-from eval.stats import KController
-from eval.target_model import Target
+from draftsmith.eval.cost import Costs, expected_tokens, parse_costs
+from draftsmith.eval.kstar import choose_kstar, measure_speculation
+from draftsmith.eval.proposers import DraftLMProposer
+from draftsmith.eval.stats import KController
+from draftsmith.eval.target_model import Target
 from tests.conftest import tiny_llama
 
 

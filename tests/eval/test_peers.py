@@ -9,16 +9,16 @@ import torch
 from conftest import draft_package, tiny_llama
 from transformers import PreTrainedModel
 
-from data.target import TargetMismatchError
-from eval.peers import (
+from draftsmith.data.target import TargetMismatchError
+from draftsmith.eval.peers import (
     PEER_METHODS,
     assistant_settings,
     generation_kwargs,
     load_assistant,
     run_peer_on,
 )
-from eval.session import prompt_records
-from heads.package import load_package, save_package
+from draftsmith.eval.session import prompt_records
+from draftsmith.heads.package import load_package, save_package
 
 CPU = torch.device("cpu")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval import plots
+from draftsmith.eval import plots
 
 
 @pytest.fixture

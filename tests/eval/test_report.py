@@ -7,9 +7,19 @@ import random
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
-from eval.cost import Costs, expected_speedups, expected_tokens, parse_costs
-from eval.report import build_report, main, predicted_speedup
+from draftsmith.eval.cost import Costs, expected_speedups, expected_tokens, parse_costs
+from draftsmith.eval.report import build_report, predicted_speedup, run
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval"
+
+
+def _cli(*overrides: str):
+    """The command line's config: conf/eval/report.yaml with these Hydra overrides."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="report", overrides=list(overrides))
 
 
 def write_job(d: Path, stem: str, settings: dict, summary: dict,
@@ -177,6 +187,6 @@ def test_errors_listed_and_bad_input(tmp_path):
         build_report(tmp_path / "missing")
     with pytest.raises(ValueError, match="gap_threshold"):
         build_report(tmp_path, gap_threshold=-1)
-    assert main([str(tmp_path), "gap_threshold=0.2", "plots=false"]) == 0
-    with pytest.raises(SystemExit):
-        main([str(tmp_path), "bogus=1"])
+    assert len(run(_cli(f"sweep_dir={tmp_path}", "gap_threshold=0.2", "plots=false")).rows) == 1
+    with pytest.raises(ConfigCompositionException, match="bogus"):
+        _cli(f"sweep_dir={tmp_path}", "bogus=1")

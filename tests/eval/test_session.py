@@ -8,10 +8,10 @@ import pytest
 from conftest import QUESTIONS, make_char_tokenizer, randomize, tiny_llama
 from omegaconf import OmegaConf
 
-from data.prompts import PromptSetError
-from eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer
-from eval.session import Sampling, decode_set, decoder, eos_ids, paired, prompt_records
-from heads.draft_lm import DraftLMConfig, build_draft_lm
+from draftsmith.data.prompts import PromptSetError
+from draftsmith.eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer
+from draftsmith.eval.session import Sampling, decode_set, decoder, eos_ids, paired, prompt_records
+from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 
 
 def _chat_ids(tok, text: str) -> list[int]:
@@ -153,8 +153,8 @@ class FakeDecoder:
         self.machine, self.spt, self.jitter, self.calls = machine, seconds_per_token, jitter, 0
 
     def generate(self, prompt_ids, max_new_tokens, *args, seed=None, **kwargs):
-        from eval.decoder import DecodeResult
-        from eval.stats import DecodeStats
+        from draftsmith.eval.decoder import DecodeResult
+        from draftsmith.eval.stats import DecodeStats
 
         factor = self.jitter[self.calls % len(self.jitter)]
         self.calls += 1
@@ -244,7 +244,7 @@ def test_a_negative_noise_tolerance_is_refused():
 
 
 def test_the_plain_decoder_is_warmed_up_too(lively, records, monkeypatch):
-    from eval import session
+    from draftsmith.eval import session
 
     warmed = []
     real = session.decoder
@@ -259,7 +259,7 @@ def test_the_plain_decoder_is_warmed_up_too(lively, records, monkeypatch):
 def test_decode_measures_plain_against_plain(decode_setup, capsys):
     """``draft=none baseline=true``: the measurement checked against itself (~1.0x; the bound is
     loose, this is a real, shared machine) and the summary's speedup keys."""
-    from eval import decode
+    from draftsmith.eval import decode
 
     summary = decode.run_overrides([
         "draft=none", f"target_path={decode_setup['target']}",
@@ -297,7 +297,7 @@ def test_sampling_from_config_defaults_and_conversions():
 
 
 def test_decoder_is_warmed_up_on_the_first_record(decode_setup, records, monkeypatch):
-    from eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoder import SpeculativeDecoder
 
     calls = []
     real = SpeculativeDecoder.generate
@@ -317,7 +317,7 @@ def test_decoder_is_warmed_up_on_the_first_record(decode_setup, records, monkeyp
 def test_a_grid_of_decoders_is_interleaved_per_prompt_and_survives_a_slowdown():
     """eval/measure.py's grids: per prompt plain, every decoder, plain; the machine halves its
     speed halfway through (after 16 of 32 decodes): each decoder keeps its own ratio."""
-    from eval.session import paired_many
+    from draftsmith.eval.session import paired_many
 
     machine = Machine(slow_after=16)
     decs = [FakeDecoder(machine, 0.01), FakeDecoder(machine, 0.005)]  # 1x and 2x plain's speed

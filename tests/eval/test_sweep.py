@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.sweep import (
+from draftsmith.eval.sweep import (
     CONF_DIR,
     Isolate,
     is_done,
@@ -203,7 +203,7 @@ def test_peers_lossless_greedy_and_counted():
     import torch
     from conftest import tiny_llama
 
-    from eval.peers import run_peer_on
+    from draftsmith.eval.peers import run_peer_on
 
     torch.manual_seed(0)
     target = tiny_llama(seed=0)

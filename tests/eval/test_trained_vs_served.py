@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from test_report import make_draft, settings, write_job
 
-from eval.report import _beyond_noise, build_report
+from draftsmith.eval.report import _beyond_noise, build_report
 
 
 def test_a_gap_is_noise_only_when_few_drafts_reached_the_position():

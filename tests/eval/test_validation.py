@@ -10,20 +10,20 @@ from conftest import QUESTIONS
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from eval import decode, measure, session, sweep
-from eval.decode import CONF_DIR
-from scripts import bench
+from draftsmith.eval import decode, measure, session, sweep
+from draftsmith.eval.decode import CONF_DIR
+from draftsmith.scripts import bench
 
 
 @pytest.fixture
 def no_model(monkeypatch):
     """Any model load fails the test: the refusals must come first."""
-    import data.target
+    import draftsmith.data.target
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
-    monkeypatch.setattr(data.target, "load_target", refuse)
+    monkeypatch.setattr(draftsmith.data.target, "load_target", refuse)
     monkeypatch.setattr(session, "open_target", refuse)
 
 

@@ -26,16 +26,16 @@ from transformers import (
     Qwen3Config,
 )
 
-from data.target import TargetIdentity
-from eval.decoder import SpeculativeDecoder
-from eval.proposers import DraftLMProposer
-from eval.proposers_dflash import DFlashProposer
-from eval.proposers_eagle import EagleProposer
-from eval.proposers_medusa import MedusaProposer, medusa_choices
-from heads.draft_config import draft_layer_config, rope_parameters
-from heads.family import TreeKind, get_family
-from heads.package import load_package, save_package
-from train.trainable import DistillModule
+from draftsmith.data.target import TargetIdentity
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposers import DraftLMProposer
+from draftsmith.eval.proposers_dflash import DFlashProposer
+from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.heads.draft_config import draft_layer_config, rope_parameters
+from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.package import load_package, save_package
+from draftsmith.train.trainable import DistillModule
 
 VOCAB, HIDDEN, LAYERS = 96, 64, 4
 COMMON = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 96,
@@ -196,7 +196,7 @@ def check_layer_config(layer: dict, tc) -> list[str]:
 
 
 def test_exports_name_the_target_and_its_layers(arch, tmp_path):
-    from scripts.export import export_package
+    from draftsmith.scripts.export import export_package
 
     loaded, pkg = eagle3_package(arch, tmp_path)
     tc = loaded.model.config
@@ -215,7 +215,7 @@ def test_exports_name_the_target_and_its_layers(arch, tmp_path):
 def test_dflash_export_names_the_target_and_its_layers(arch, tmp_path):
     """The DFlash export's Qwen3 layer config carries the target's widths, head dim and RoPE
     (the activation is SiLU whatever the target's) and vLLM's layer ids."""
-    from scripts.export import export_package
+    from draftsmith.scripts.export import export_package
 
     loaded = tiny_target(arch)
     tc = loaded.model.config
@@ -247,7 +247,7 @@ def test_twin_wrong_rope_theta_or_layer_ids_fail_the_checks(tmp_path):
 
 def test_twin_no_sliding_window_diverges(monkeypatch):
     """Without the windowed masks, verification on Gemma 3 differs from plain decoding."""
-    import eval.target_model as tm
+    import draftsmith.eval.target_model as tm
 
     loaded = tiny_target("gemma3")
     model = loaded.model

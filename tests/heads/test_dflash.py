@@ -11,15 +11,15 @@ import pytest
 import torch
 from conftest import make_tiny_target, randomize
 
-from eval.decoder import SpeculativeDecoder
-from eval.draft import DraftSettings, settle
-from eval.proposers_dflash import DFlashProposer
-from heads import dflash_train
-from heads.dflash import DFlashConfig, DFlashDrafter, build_dflash, distill_targets
-from heads.family import TreeKind, get_family
-from heads.package import load_package, save_package
-from train.losses import DistillLoss, shared_teacher_rows
-from train.metrics import acceptance_stats
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.draft import DraftSettings, settle
+from draftsmith.eval.proposers_dflash import DFlashProposer
+from draftsmith.heads import dflash_train
+from draftsmith.heads.dflash import DFlashConfig, DFlashDrafter, build_dflash, distill_targets
+from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.package import load_package, save_package
+from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.metrics import acceptance_stats
 
 LAYERS, FUSE, EOS = 4, [3, 1], 2  # fuse_layers out of order: the column order is kept everywhere
 FAMILY = get_family("dflash")
@@ -188,7 +188,7 @@ def test_twin_a_leaky_mask_is_caught(target, monkeypatch):
     other[0, 9] = 50 if ids[0, 9] != 50 else 51
     for leak, changed in ((sees_its_anchor, (later, ids)), (sees_other_blocks, (feats, other))):
         monkeypatch.setattr(dflash_train, "block_attention_mask", leak)
-        monkeypatch.setattr("heads.dflash.block_attention_mask", leak)
+        monkeypatch.setattr("draftsmith.heads.dflash.block_attention_mask", leak)
         base = _block_logits(d, feats, ids, anchors)
         assert not torch.allclose(_block_logits(d, *changed, anchors)[:, 0], base[:, 0]), leak
 
@@ -334,8 +334,8 @@ def test_the_context_cache_drafts_what_a_fresh_forward_drafts(target):
 def test_the_context_cache_after_accepting_several_drafts(target):
     """accept() with several rows at once (the pending token and accepted drafts): the block's
     final states over the cache equal a fresh forward's, step after step."""
-    from eval.proposal import DecodeContext
-    from eval.target_model import Target
+    from draftsmith.eval.proposal import DecodeContext
+    from draftsmith.eval.target_model import Target
 
     d = drafter(target, block_size=4).eval()
     prop = DFlashProposer(d, 96)

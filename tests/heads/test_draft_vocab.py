@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from eval.decoder import SpeculativeDecoder
-from eval.proposal import DecodeContext, Sampling
-from eval.proposers import DraftLMProposer, head_rows
-from eval.proposers_eagle import EagleProposer
-from heads.vocab import (
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposal import DecodeContext, Sampling
+from draftsmith.eval.proposers import DraftLMProposer, head_rows
+from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.heads.vocab import (
     TOKEN_FREQUENCY,
     counts_from_record,
     frequency_record,
@@ -33,7 +33,7 @@ def target_model():
 
 
 def _eagle_head(model):
-    from heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import EagleConfig, build_eagle
 
     torch.manual_seed(4)
     return build_eagle(EagleConfig(), model).eval()
@@ -90,7 +90,7 @@ def test_drafts_stay_in_the_subset_and_greedy_equals_generate(target_model, name
 
 @pytest.mark.parametrize("name", ["lm", "eagle"])
 def test_sampled_draft_q_is_zero_outside_the_subset(target_model, name):
-    from eval.target_model import Target
+    from draftsmith.eval.target_model import Target
 
     proposer = _proposer(name, target_model, SUBSET)
     prompt = PROMPTS[1]
@@ -124,7 +124,7 @@ def test_head_rows_refuses_what_a_row_subset_would_change(target_model):
 
 
 def test_reduced_vocabulary_eagle_head_refuses_a_second_subset(target_model):
-    from heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import EagleConfig, build_eagle
 
     counts = torch.arange(VOCAB, 0, -1)
     head = build_eagle(EagleConfig(draft_vocab_size=16), target_model, token_counts=counts).eval()

@@ -11,10 +11,10 @@ import torch
 from conftest import make_tiny_target, randomize
 from omegaconf import OmegaConf
 
-from heads.eagle import EagleConfig
-from heads.exports import FORMATS, format_family
-from heads.family import FAMILIES, HeadStateError, get_family
-from heads.medusa import MedusaConfig
+from draftsmith.heads.eagle import EagleConfig
+from draftsmith.heads.exports import FORMATS, format_family
+from draftsmith.heads.family import FAMILIES, HeadStateError, get_family
+from draftsmith.heads.medusa import MedusaConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_CONF = REPO / "conf" / "draft"
@@ -285,10 +285,10 @@ def test_num_positions_and_default_position_weights_per_family():
 def test_every_family_builds_an_empty_head_of_the_trained_shapes():
     """``empty_head`` (what a package's weights are loaded into) has the shapes ``build`` makes;
     the base class declares both abstract, so a family without them cannot be created."""
-    from heads.draft_lm import DraftLMConfig
-    from heads.eagle import EagleConfig
-    from heads.family import DraftFamily, get_family
-    from heads.medusa import MedusaConfig
+    from draftsmith.heads.draft_lm import DraftLMConfig
+    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.family import DraftFamily, get_family
+    from draftsmith.heads.medusa import MedusaConfig
 
     target = make_tiny_target()
     tc = target.model.config

@@ -6,13 +6,13 @@ import torch
 from conftest import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from heads import draft_lm, eagle, medusa
-from heads.draft_lm import DraftLMConfig, apply_lora, build_draft_lm
-from heads.eagle import EagleConfig, EagleHead, build_eagle
-from heads.medusa import MedusaConfig, build_medusa
-from heads.vocab import build_vocab_map
-from train.losses import DistillLoss
-from train.metrics import acceptance_stats
+from draftsmith.heads import draft_lm, eagle, medusa
+from draftsmith.heads.draft_lm import DraftLMConfig, apply_lora, build_draft_lm
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_eagle
+from draftsmith.heads.medusa import MedusaConfig, build_medusa
+from draftsmith.heads.vocab import build_vocab_map
+from draftsmith.train.losses import DistillLoss
+from draftsmith.train.metrics import acceptance_stats
 
 B, T, V = 2, 10, 96
 

@@ -11,13 +11,13 @@ import torch
 from conftest import make_tiny_target
 from safetensors.torch import load_file
 
-from eval.decoder import SpeculativeDecoder
-from eval.proposers_medusa import MedusaProposer
-from heads import medusa
-from heads.family import WEIGHTS, get_family
-from heads.medusa import MedusaConfig, build_medusa
-from heads.package import PACKAGE_JSON, load_package, save_package
-from train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposers_medusa import MedusaProposer
+from draftsmith.heads import medusa
+from draftsmith.heads.family import WEIGHTS, get_family
+from draftsmith.heads.medusa import MedusaConfig, build_medusa
+from draftsmith.heads.package import PACKAGE_JSON, load_package, save_package
+from draftsmith.train.losses import DistillLoss, shared_teacher_rows
 
 VOCAB = 96
 
@@ -55,7 +55,7 @@ def _train(heads, model, steps: int = 12) -> list[float]:
 
 # ----- the auto choice ---------------------------------------------------------------------------
 def test_auto_is_own_for_small_lm_heads_and_shared_for_a_262k_vocabulary(caplog):
-    with caplog.at_level(logging.INFO, logger="heads.medusa"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.heads.medusa"):
         assert medusa.auto_lm_head(3, 262144, 640) == "shared"  # Gemma 3 270M: 8 GB of state
     assert "lm_head=auto -> shared" in caplog.text
     assert medusa.auto_lm_head(3, 49152, 576) == "own"  # SmolLM2-135M: 1.3 GB
@@ -156,7 +156,7 @@ def test_saving_with_an_unresolved_or_other_config_is_refused(tmp_path):
 
 
 def test_int8_copy_of_a_shared_package_quantizes_the_blocks_and_decodes(tmp_path):
-    from scripts.quantize import quantize_package
+    from draftsmith.scripts.quantize import quantize_package
 
     target = make_tiny_target()
     model = target.model
@@ -177,9 +177,9 @@ def test_int8_copy_of_a_shared_package_quantizes_the_blocks_and_decodes(tmp_path
 
 
 def test_medusa_export_of_shared_heads_writes_the_targets_lm_head_per_head(tmp_path):
-    from heads.exports import import_export
-    from scripts.export import export_package
-    from scripts.export_formats import ExportError
+    from draftsmith.heads.exports import import_export
+    from draftsmith.scripts.export import export_package
+    from draftsmith.scripts.export_formats import ExportError
 
     target = make_tiny_target()
     model = target.model

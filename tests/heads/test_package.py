@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from heads.draft_lm import DraftLMConfig, build_draft_lm
-from heads.family import WEIGHTS
-from heads.medusa import MedusaConfig, build_medusa
-from heads.package import (
+from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
+from draftsmith.heads.family import WEIGHTS
+from draftsmith.heads.medusa import MedusaConfig, build_medusa
+from draftsmith.heads.package import (
     MANIFEST,
     PACKAGE_JSON,
     SIGNATURE,
@@ -166,7 +166,7 @@ def test_allow_unverified_loads_with_a_loud_warning(tmp_path, caplog):
     target = make_tiny_target()
     out, heads = _medusa_package(tmp_path, target)
     (out / "notes.bin").write_bytes(b"x")  # an unlisted weight-like file; weights untouched
-    with caplog.at_level(logging.WARNING, logger="heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
         pkg = load_package(out, target=target, allow_unverified=True)
     assert "UNVERIFIED" in caplog.text and "notes.bin" in caplog.text
     hidden = torch.randn(1, 3, target.model.config.hidden_size)
@@ -194,7 +194,7 @@ def test_failed_save_leaves_the_old_package(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    from heads import package
+    from draftsmith.heads import package
     monkeypatch.setattr(package, "write_manifest", boom)
     new_heads = _randomize(build_medusa(MedusaConfig(num_heads=3, num_layers=2), target.model), 1)
     with pytest.raises(RuntimeError, match="disk full"):
@@ -212,11 +212,10 @@ def test_process_killed_mid_write_leaves_old_package_or_none(tmp_path):
     out, heads = _medusa_package(tmp_path, target)
     fresh = tmp_path / "fresh"
     script = textwrap.dedent(f"""
-        import os, sys
-        sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]
-        from heads import package
+        import os
+        from draftsmith.heads import package
         from conftest import make_tiny_target
-        from heads.medusa import MedusaConfig, build_medusa
+        from draftsmith.heads.medusa import MedusaConfig, build_medusa
         def killed(root, meta):  # weights written, manifest not yet: die like SIGKILL
             os._exit(9)
         package.write_manifest = killed
@@ -229,7 +228,7 @@ def test_process_killed_mid_write_leaves_old_package_or_none(tmp_path):
             os.waitpid(pid, 0)
     """)
     proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=REPO / "tests")  # conftest from the cwd
     assert proc.returncode == 0, proc.stderr
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert any(".tmp-" in name for name in leftovers)  # the half-written folders stay aside
@@ -240,7 +239,7 @@ def test_process_killed_mid_write_leaves_old_package_or_none(tmp_path):
 
 
 def test_eagle_round_trip_with_and_without_target(tmp_path):
-    from heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import EagleConfig, build_eagle
 
     target = make_tiny_target()
     tc = target.model.config
@@ -293,7 +292,7 @@ def test_unlisted_speculation_json_is_refused_a_listed_one_is_read(tmp_path):
 @pytest.mark.parametrize("entry", ["../../../../etc/hostname", "/etc/hostname", "sub/../../x",
                                    "./model.safetensors", "a\\b", "a//b"])
 def test_manifest_paths_outside_the_package_are_refused_unopened(tmp_path, monkeypatch, entry):
-    from heads import manifest as manifest_mod
+    from draftsmith.heads import manifest as manifest_mod
 
     target = make_tiny_target()
     out, _ = _medusa_package(tmp_path, target)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_target
 
-from heads.family import WEIGHTS
-from heads.medusa import MedusaConfig, build_medusa
-from heads.package import (
+from draftsmith.heads.family import WEIGHTS
+from draftsmith.heads.medusa import MedusaConfig, build_medusa
+from draftsmith.heads.package import (
     MANIFEST,
     SIGNATURE,
     PackageIntegrityError,
@@ -22,7 +22,7 @@ from heads.package import (
     sha256_file,
     update_package_json,
 )
-from heads.signing import (
+from draftsmith.heads.signing import (
     RELEASE_KEYS,
     _load_public,
     fingerprint,
@@ -56,7 +56,7 @@ def _other_key(tmp_path: Path) -> Path:
 
 def test_a_fresh_key_is_private_logged_and_has_a_public_key(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DRAFTSMITH_SIGNING_KEY", str(tmp_path / "cfg" / "signing-key.pem"))
-    with caplog.at_level(logging.WARNING, logger="heads.signing"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.signing"):
         key = local_signing_key()
     assert key == signing_key_path() == tmp_path / "cfg" / "signing-key.pem"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
@@ -110,8 +110,8 @@ def test_an_unsigned_package_is_refused_unless_allowed(tmp_path, monkeypatch, ca
         load_package(out, target=target)
     msg = str(err.value)
     assert "it is not signed (no model.sig), so who made it is unknown" in msg
-    assert "python -m heads.signing sign DIR" in msg and "allow_unsigned=True" in msg
-    with caplog.at_level(logging.WARNING, logger="heads.package"):
+    assert "python -m draftsmith.heads.signing sign DIR" in msg and "allow_unsigned=True" in msg
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
         pkg = load_package(out, target=target, allow_unsigned=True)
     assert "LOADING AN UNSIGNED OR UNTRUSTED DRAFT PACKAGE" in caplog.text
     assert pkg.info["signer"] is None
@@ -174,8 +174,8 @@ def test_update_package_json_refuses_an_untrusted_or_rewritten_package(tmp_path)
 
 
 def test_an_export_is_signed_and_verified(tmp_path):
-    from heads.exports import import_export
-    from scripts.export import export_package
+    from draftsmith.heads.exports import import_export
+    from draftsmith.scripts.export import export_package
 
     out, target = _package(tmp_path)
     exp = export_package(out, "medusa", tmp_path / "medusa")
@@ -194,10 +194,11 @@ def test_an_export_is_signed_and_verified(tmp_path):
 def test_release_keys_are_trusted_by_default():
     keys = sorted(RELEASE_KEYS.glob("*.pub"))
     assert [k.name for k in keys] == ["draftsmith-release-1.pub", "draftsmith-release-2.pub",
-                                      "draftsmith-release-3.pub", "draftsmith-release.pub"]
+                                      "draftsmith-release-3.pub", "draftsmith-release-4.pub",
+                                      "draftsmith-release.pub"]
     assert all(b"PRIVATE" not in p.read_bytes() for p in RELEASE_KEYS.parent.rglob("*")
                if p.is_file() and p.suffix in (".pub", ".pem", ".key"))  # public keys only
-    from heads.signing import trusted_public_keys
+    from draftsmith.heads.signing import trusted_public_keys
 
     assert {_fp(k) for k in keys} <= set(trusted_public_keys())
 
@@ -301,3 +302,37 @@ def test_a_certificate_for_another_key_is_refused_before_signing(tmp_path, monke
     monkeypatch.setenv("DRAFTSMITH_SIGNING_CERT", str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="does not exist"):
         _package(tmp_path, "pkg2")
+
+
+def test_a_model_card_is_neither_listed_nor_signed_and_nothing_else_escapes(tmp_path):
+    """README.md at the top is documentation (releases/<name>/README.md): written after signing
+    it loads; it is left out of the manifest and of new signatures (which record it as ignored,
+    so model-signing's own verifier passes too); any other unlisted file is still refused."""
+    from model_signing import verifying
+
+    out, target = _package(tmp_path)
+    (out / "README.md").write_text("# a card written after signing\n")
+    assert load_package(out, target=target).info["signer"] == _local_fp()
+    update_package_json(out, "speculation", {"k_star": 1})  # rewrites the manifest, re-signs
+    assert "README.md" not in json.loads((out / MANIFEST).read_text())["files"]
+    (out / "README.md").write_text("# corrected\n")
+    assert load_package(out, target=target).info["signer"] == _local_fp()
+    verifying.Config().use_elliptic_key_verifier(public_key=public_key_of()).verify(
+        out, out / SIGNATURE)
+    for other in ("README.txt", "docs/README.md"):
+        (out / other).parent.mkdir(exist_ok=True)
+        (out / other).write_text("x")
+        with pytest.raises(PackageIntegrityError, match="is not listed"):
+            load_package(out, target=target)
+        (out / other).unlink()
+
+
+def test_the_documented_command_forms_are_hydra_overrides():
+    """``draftsmith-sign key | sign DIR | verify DIR`` reads as action= / dir= overrides."""
+    from draftsmith.heads.signing import cli_overrides
+
+    assert cli_overrides(["key"]) == ["action=key"]
+    assert cli_overrides(["sign", "outputs/pkg"]) == ["action=sign", "dir='outputs/pkg'"]
+    assert cli_overrides(["verify", "it's"]) == ["action=verify", "dir='it\\'s'"]
+    assert cli_overrides(["action=verify", "dir=x"]) == ["action=verify", "dir=x"]
+    assert cli_overrides(["--help"]) == ["--help"]

@@ -9,9 +9,9 @@ import torch
 from conftest import draft_package
 from omegaconf import OmegaConf
 
-from heads.package import load_package, update_package_json
-from heads.vocab import frequency_record
-from scripts import bench
+from draftsmith.heads.package import load_package, update_package_json
+from draftsmith.heads.vocab import frequency_record
+from draftsmith.scripts import bench
 
 
 def test_bench_decoding_section_on_a_tiny_target(decode_setup, tmp_path, capsys):

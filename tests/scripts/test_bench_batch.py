@@ -11,8 +11,8 @@ import pytest
 from conftest import draft_package
 from omegaconf import OmegaConf
 
-from eval import decode
-from scripts import bench_batch
+from draftsmith.eval import decode
+from draftsmith.scripts import bench_batch
 
 
 def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):

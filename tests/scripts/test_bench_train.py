@@ -6,7 +6,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from scripts import bench_train
+from draftsmith.scripts import bench_train
 
 
 def _records(step_s: list[float], tokens_per_step: list[int]) -> list[dict]:
@@ -36,7 +36,7 @@ def test_step_rates_report_nothing_when_too_few_steps_were_logged():
 
 @pytest.mark.slow
 def test_bench_train_runs_variants_and_caching_on_a_tiny_target(tmp_path):
-    from data.tiny import tiny_target_dir
+    from draftsmith.data.tiny import tiny_target_dir
 
     target = tiny_target_dir(initializer_range=0.3)
     cfg = OmegaConf.merge(OmegaConf.load(bench_train.CONF_FILE), {

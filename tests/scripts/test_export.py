@@ -17,22 +17,22 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from data.target import TargetIdentity
-from heads.draft_lm import DraftLMConfig, build_draft_lm
-from heads.eagle import EagleConfig, build_eagle
-from heads.exports import WEIGHTS_FILE, import_export
-from heads.manifest import SIGNATURE
-from heads.medusa import MedusaConfig, build_medusa
-from heads.package import (
+from draftsmith.data.target import TargetIdentity
+from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
+from draftsmith.heads.eagle import EagleConfig, build_eagle
+from draftsmith.heads.exports import WEIGHTS_FILE, import_export
+from draftsmith.heads.manifest import SIGNATURE
+from draftsmith.heads.medusa import MedusaConfig, build_medusa
+from draftsmith.heads.package import (
     MANIFEST,
     PackageIntegrityError,
     TargetMismatchError,
     load_package,
     save_package,
 )
-from scripts import export_formats
-from scripts.export import ExportError, OutPathError, export_package, tensor_shapes
-from scripts.export_layouts import REQUIRED_FILES, layout_problems
+from draftsmith.scripts import export_formats
+from draftsmith.scripts.export import ExportError, OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,8 +93,8 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
     same file written without the permutation reads back with other q/k weights."""
     import gguf
 
-    from data.target import packaged_gguf
-    from scripts import export_gguf
+    from draftsmith.data.target import packaged_gguf
+    from draftsmith.scripts import export_gguf
     target, draft, pkg = lm_package
     source = packaged_gguf()
     out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
@@ -462,7 +462,7 @@ def test_eagle3_exports_refuse_what_engines_would_compute_differently(tmp_path):
 def test_trained_eagle1_head_exports_and_engines_match_it(tmp_path):
     from safetensors.torch import load_file
 
-    from heads.eagle import distill_targets
+    from draftsmith.heads.eagle import distill_targets
     torch.manual_seed(0)
     target = make_tiny_target()
     tc = target.model.config
@@ -616,14 +616,14 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     import logging
     import os
 
-    from heads.package import remove_stale_siblings
+    from draftsmith.heads.package import remove_stale_siblings
 
     _, _, pkg = lm_package
     out, dead, live = tmp_path / "hf", _dead_pid(), os.getppid()
     for name in (f"hf.tmp-{dead}", f"hf.old-{dead}", f"hf.tmp-{live}", "hf.tmp-notapid"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "half.bin").write_bytes(b"x")
-    with caplog.at_level(logging.WARNING, logger="heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
         export_package(pkg, "hf", out)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["hf", f"hf.tmp-{live}", "hf.tmp-notapid", "lm"]  # a live writer's kept
@@ -636,7 +636,7 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     # without <out>, a dead writer's .old-<pid> is the only previous copy: kept, named
     (tmp_path / f"gone.old-{dead}").mkdir()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
         assert remove_stale_siblings(tmp_path / "gone") == []
     assert (tmp_path / f"gone.old-{dead}").is_dir() and "kept (move it back with" in caplog.text
 
@@ -653,8 +653,8 @@ def test_command_line(lm_package, tmp_path):
 
 
 def test_medusa_export_round_trip_gives_identical_greedy_decoding(tmp_path):
-    from eval.decoder import SpeculativeDecoder
-    from eval.proposers_medusa import MedusaProposer
+    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.proposers_medusa import MedusaProposer
 
     target = make_tiny_target()
     cfg = MedusaConfig(num_heads=3, num_layers=1)
@@ -678,9 +678,9 @@ def test_hf_export_of_a_real_draft_lm_is_an_assistant_model_for_smollm2(real_tar
     """On the real target: package -> format=hf -> transformers alone -> assistant_model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from heads.draft_lm import DraftLMConfig, build_draft_lm
-    from heads.package import save_package
-    from scripts.export import export_package
+    from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
+    from draftsmith.heads.package import save_package
+    from draftsmith.scripts.export import export_package
 
     model, tok = real_target.model, real_target.tokenizer
     cfg = DraftLMConfig.matching(model.config, 2, init="target")

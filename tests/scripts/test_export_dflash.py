@@ -12,11 +12,11 @@ import torch
 from conftest import make_tiny_target, randomize
 from safetensors.torch import load_file
 
-from heads.exports import WEIGHTS_FILE, import_export
-from heads.family import get_family
-from heads.package import MANIFEST, save_package
-from scripts.export import ExportError, export_package, tensor_shapes
-from scripts.export_layouts import REQUIRED_FILES, layout_problems
+from draftsmith.heads.exports import WEIGHTS_FILE, import_export
+from draftsmith.heads.family import get_family
+from draftsmith.heads.package import MANIFEST, save_package
+from draftsmith.scripts.export import ExportError, export_package, tensor_shapes
+from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 FAMILY = get_family("dflash")
 LAYERS, FUSE, BLOCK = 4, [3, 0], 4  # out of order: the export sorts the ids and fc's columns

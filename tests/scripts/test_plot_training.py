@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from scripts import plot_training
+from draftsmith.scripts import plot_training
 
 
 def _log(path, vals):
@@ -59,3 +59,21 @@ def test_a_log_without_token_counts_is_refused(tmp_path):
         {"step": 0, "tag": "init", "alpha_hat": [0.0]}) + "\n")
     with pytest.raises(ValueError, match="log_every"):
         plot_training.curve(tmp_path / "train_log.jsonl")
+
+
+def test_compare_extrapolates_each_run_to_the_goal(tmp_path):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    fast.mkdir(), slow.mkdir()
+    # fast: alpha-hat = 0.1 log10(tokens) - 0.1 (0.2, 0.3, 0.4) -> 0.7 at 1e8 tokens;
+    # slow: flat after its first validation -> no extrapolation
+    _log(fast / "train_log.jsonl", [(10, 1000, [0.2, 0.1]), (20, 10000, [0.3, 0.2]),
+                                    (30, 100000, [0.4, 0.3])])
+    _log(slow / "train_log.jsonl", [(10, 1000, [0.1, 0.1]), (20, 10000, [0.05, 0.1]),
+                                    (30, 100000, [0.05, 0.1])])
+    fits = plot_training.compare([fast, slow], tmp_path / "c.png", goal=0.7)
+    assert fits[0]["tokens_for_goal"] == pytest.approx(1e8, rel=1e-6)
+    assert fits[0]["alpha_hat"] == pytest.approx(0.4) and fits[0]["tokens"] == 100000
+    assert fits[1]["b_per_decade"] == pytest.approx(0.0) and fits[1]["tokens_for_goal"] is None
+    rows = list(csv.reader((tmp_path / "c.csv").read_text().splitlines()))
+    assert rows[0] == ["run", "step", "tokens", "alpha_hat_pos1"] and len(rows) == 7
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import draft_package
 
-from eval.decoder import SpeculativeDecoder
-from eval.draft import build_proposer, load_draft, settle
-from heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
-from heads.quantize import Int4Linear, Int8Linear
-from heads.signing import sign_folder
-from scripts.quantize import quantize_package
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.draft import build_proposer, load_draft, settle
+from draftsmith.heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
+from draftsmith.heads.quantize import Int4Linear, Int8Linear
+from draftsmith.heads.signing import sign_folder
+from draftsmith.scripts.quantize import quantize_package
 from tests.scripts.test_release import _eagle3_package
 
 CHAIN = {"k": 3, "tree": "chain", "tree_size": None, "tree_topk": 8, "medusa_branching": None,
@@ -129,7 +129,7 @@ def test_bad_quantization_records_and_devices_are_refused(tmp_path):
     (out / PACKAGE_JSON).write_text(json.dumps(info))
     with pytest.raises(PackageIntegrityError):  # the edit is caught by the manifest first
         load_package(out, target=target)
-    from heads.package import write_manifest
+    from draftsmith.heads.package import write_manifest
 
     old = json.loads((out / "manifest.json").read_text())
     write_manifest(out, {k: v for k, v in old.items() if k not in ("files", "signer")})
@@ -139,7 +139,7 @@ def test_bad_quantization_records_and_devices_are_refused(tmp_path):
 
 
 def test_an_int8_copy_is_not_exported(tmp_path):
-    from scripts.export import export_package
+    from draftsmith.scripts.export import export_package
 
     src, target = _reduced_eagle(tmp_path)
     out = quantize_package(src, tmp_path / "int8")

@@ -9,9 +9,9 @@ import torch
 from conftest import make_tiny_target
 from safetensors.torch import load_file
 
-from heads.eagle import EagleConfig, build_eagle
-from heads.family import WEIGHTS
-from heads.package import (
+from draftsmith.heads.eagle import EagleConfig, build_eagle
+from draftsmith.heads.family import WEIGHTS
+from draftsmith.heads.package import (
     MANIFEST,
     SIGNATURE,
     PackageIntegrityError,
@@ -20,10 +20,17 @@ from heads.package import (
     save_package,
     verify_package,
 )
-from heads.signing import RELEASE_KEYS, _load_public, fingerprint, public_key_of, sign_folder
-from scripts.release import release
+from draftsmith.heads.signing import (
+    RELEASE_KEYS,
+    _load_public,
+    fingerprint,
+    public_key_of,
+    sign_folder,
+)
+from draftsmith.scripts.release import recipe_steps, release, run_recipe
 
 COMMITTED = Path(__file__).resolve().parents[2] / "releases" / "eagle3-smollm2-135m"
+RELEASE_RECIPES = Path(__file__).resolve().parents[2] / "conf" / "release"
 
 
 def _eagle3_package(tmp_path):
@@ -76,6 +83,57 @@ def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(
         release(src, tmp_path / "rel2")
     with pytest.raises(ValueError, match="dtype"):
         release(src, tmp_path / "x", dtype="int8")
+
+
+def test_a_release_keeps_its_folders_card_not_its_sources(tmp_path):
+    """The model card (README.md, unsigned) describes its folder: a source's card is not copied,
+    and releasing again over a folder keeps that folder's card."""
+    src, _, target = _eagle3_package(tmp_path)
+    (src / "README.md").write_text("the source's card\n")
+    out = release(src, tmp_path / "rel")
+    assert not (out / "README.md").exists()
+    (out / "README.md").write_text("the release's card\n")
+    release(src, out)
+    assert (out / "README.md").read_text() == "the release's card\n"
+    assert "README.md" not in json.loads((out / MANIFEST).read_text())["files"]
+    load_package(out, target=target)
+
+
+def test_a_release_recipe_is_its_commands_in_order(tmp_path, capsys):
+    out = str(tmp_path / "rel")
+    steps = recipe_steps("eagle3-smollm2-135m", out=out)
+    argvs = [argv for argv, _ in steps]
+    trains = [argv for argv in argvs if "train/distill.py" in argv]
+    assert len(trains) == 2 and all(Path(argv[0]).name == "accelerate" for argv in trains)
+    assert "experiment=eagle3_cpu" in trains[0] and "name=eagle3_engine" in trains[0]
+    assert "draft.init_from=outputs/eagle3_engine/release" in trains[1]
+    releases = [argv[2:] for argv in argvs if argv[1] == "scripts/release.py"]
+    assert releases == [["draft=outputs/eagle3_engine/draft", "out=outputs/eagle3_engine/release"],
+                        ["draft=outputs/eagle3_long/draft", f"out={out}"]]
+    assert not any("{out}" in arg for argv in argvs for arg in argv)
+    run_recipe("eagle3-smollm2-135m", out=out, dry_run=True)  # prints, runs nothing
+    assert capsys.readouterr().out.count("=== recipe=eagle3-smollm2-135m step") == len(steps)
+    assert not Path(out).exists()
+    with pytest.raises(ValueError, match="there is no conf/release/nope.yaml"):
+        recipe_steps("nope")
+
+
+@pytest.mark.parametrize("folder", sorted(p for p in COMMITTED.parent.iterdir()
+                                           if p.is_dir() and p.name != "keys"),
+                         ids=lambda p: p.name)
+def test_every_committed_release_has_a_card(folder):
+    assert (folder / "README.md").is_file(), (
+        f"{folder} has no model card README.md: target, data, the one command that reproduces "
+        "it, tokens trained, alpha-hat per position, served tau / speedup with the file behind "
+        "each figure, the engines that load it, its signer (see releases/eagle3-smollm2-135m)")
+
+
+def test_a_release_recipe_and_its_card_name_each_other():
+    recipes = sorted(RELEASE_RECIPES.glob("*.yaml"))
+    assert COMMITTED.name in [p.stem for p in recipes]
+    for recipe in recipes:
+        card = (COMMITTED.parent / recipe.stem / "README.md").read_text()
+        assert f"python scripts/release.py recipe={recipe.stem}" in card
 
 
 def test_the_committed_release_is_signed_by_the_committed_release_key(monkeypatch, tmp_path):

@@ -29,7 +29,7 @@ def compose_config(overrides: list[str]):
 def run_inprocess(overrides: list[str]) -> dict:
     from accelerate.state import AcceleratorState
 
-    from train.distill import run
+    from draftsmith.train.distill import run
 
     AcceleratorState._reset_state(True)
     try:

@@ -7,11 +7,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from train.config import ConfigError, validate_config
+from draftsmith.train.config import ConfigError, validate_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 EVAL_CONF = CONF / "eval"  # the evaluation / export commands, outside the training groups
 EVAL_NAMES = sorted(p.stem for p in EVAL_CONF.glob("*.yaml"))
+RELEASE_CONF = CONF / "release"  # release recipes (scripts/release.py recipe=NAME), not a group
+RECIPES = sorted(p.stem for p in RELEASE_CONF.glob("*.yaml"))
+MAX_PRESETS = 10  # recipes, not lab history: quick / CPU / GPU per family
 
 
 def _options(group: str) -> list[str]:
@@ -63,9 +66,73 @@ def test_measure_config_is_decode_plus_its_keys():
 
 def test_every_yaml_is_covered():
     """A new config group or file must be added to this test (no YAML escapes composition)."""
-    covered = set(GROUPS) | {"experiment", "debug", "accelerate", "deepspeed", "eval"}
+    covered = set(GROUPS) | {"experiment", "debug", "accelerate", "deepspeed", "eval", "release"}
     groups = {p.name for p in CONF.iterdir() if p.is_dir()}
     assert groups <= covered, f"groups not composed by tests: {groups - covered}"
+
+
+def test_presets_are_few_and_start_from_scratch():
+    """conf/experiment holds recipes: at most 10, none continuing another run's output (a chain
+    of runs is a release recipe in conf/release/)."""
+    names = _options("experiment")
+    assert "quickstart" in names and len(names) <= MAX_PRESETS, names
+    for name in names:
+        init = _compose([f"experiment={name}"]).draft.init_from
+        assert init is None, f"experiment={name} continues {init}: make it a release recipe"
+
+
+def _train_stages(recipe: str) -> tuple[list[list[str]], list[dict]]:
+    steps = OmegaConf.to_container(OmegaConf.load(RELEASE_CONF / f"{recipe}.yaml"))["steps"]
+    return [s["train"] for s in steps if "train" in s], steps
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_release_recipe_stages_compose_validate_and_chain(recipe):
+    """Every training stage composes and validates; a stage continues only what an earlier step
+    of the same recipe wrote (a stage's draft package or a run step's out=)."""
+    stages, steps = _train_stages(recipe)
+    assert stages, f"conf/release/{recipe}.yaml has no train step"
+    written: set[str] = set()
+    for step in steps:
+        if "run" in step:
+            written |= {a.split("=", 1)[1] for a in step["run"] if a.startswith("out=")}
+            continue
+        cfg = _compose(step["train"])
+        OmegaConf.resolve(cfg)
+        validate_config(cfg)
+        init = cfg.draft.init_from
+        assert init is None or init in written, f"{recipe}: {init} is not written before"
+        written.add(f"{cfg.out_dir}/draft")
+
+
+def _leaves(d: dict, prefix: str = ""):
+    for key, value in d.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_the_release_recipe_trains_what_the_release_records():
+    """The last stage of conf/release/eagle3-smollm2-135m.yaml composes to the released head's
+    training_config.yaml, key for key: dtypes measured at start (auto) aside, and the head it
+    continues, which the release names by the folder it then had (releases/...)."""
+    released = OmegaConf.to_container(OmegaConf.load(
+        CONF.parent / "releases" / "eagle3-smollm2-135m" / "training_config.yaml"))
+    cfg = OmegaConf.create(OmegaConf.to_container(
+        _compose(_train_stages("eagle3-smollm2-135m")[0][-1]), resolve=True))
+    measured = {"target.dtype": "auto", "train.mixed_precision": "auto", "data.cache.dtype": "auto"}
+    for key, want in _leaves(released):
+        got = OmegaConf.select(cfg, key, default="<absent>")
+        if key.endswith("_target_"):  # class paths follow the code's module layout
+            continue
+        if key == "draft.init_from":
+            assert want == "releases/eagle3-smollm2-135m"
+            assert got == "outputs/eagle3_engine/release"
+        elif key in measured:
+            assert got == measured[key], key
+        else:
+            assert got == want, f"{key}: the recipe gives {got!r}, the release recorded {want!r}"
 
 
 @pytest.mark.parametrize("override,key", [
@@ -86,7 +153,7 @@ def test_bad_values_name_the_key(override, key):
 
 
 def test_validation_against_target_names_the_key():
-    from train.config import validate_against_target
+    from draftsmith.train.config import validate_against_target
 
     cfg = _compose(["draft.config.draft_vocab_size=100000"])
     with pytest.raises(ConfigError, match=r"draft_vocab_size=100000 exceeds"):

@@ -32,7 +32,7 @@ def test_dflash_trains_through_the_recipe(tmp_path):
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
     init, final = summary["alpha_hat_init"], summary["alpha_hat"]
     assert len(final) == 3 and all(f > i + 0.05 for i, f in zip(init, final)), (init, final)
-    from heads.package import load_package
+    from draftsmith.heads.package import load_package
 
     pkg = load_package(out / "draft")
     assert pkg.kind == "dflash" and pkg.head_config.fuse_layers == [1, 2, 3]

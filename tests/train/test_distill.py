@@ -51,7 +51,7 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
     init, final = summary["alpha_hat_init"], summary["alpha_hat"]
     assert final[0] > init[0] + 0.02, f"alpha-hat did not improve: {init} -> {final}"
     assert (out / "draft" / "manifest.json").is_file()
-    from heads.package import load_package
+    from draftsmith.heads.package import load_package
 
     pkg = load_package(out / "draft")
     assert pkg.kind == kind
@@ -65,10 +65,10 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
 def test_token_frequency_script_recounts_what_training_wrote(warm_cache, tmp_path):
     import shutil
 
-    from data.feature_data import FeatureDataset
-    from data.prepare import default_feature_root
-    from heads.package import load_package, update_package_json
-    from scripts.token_frequency import add_token_frequency
+    from draftsmith.data.feature_data import FeatureDataset
+    from draftsmith.data.prepare import default_feature_root
+    from draftsmith.heads.package import load_package, update_package_json
+    from draftsmith.scripts.token_frequency import add_token_frequency
 
     src = warm_cache / "draft"
     want = json.loads((src / "token_frequency.json").read_text())
@@ -108,8 +108,8 @@ def test_init_from_continues_from_a_package(kind, warm_cache, tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(warm_cache, tmp_path):
-    from train.checkpoint import latest_checkpoint
-    from train.distill import NonFiniteLossError
+    from draftsmith.train.checkpoint import latest_checkpoint
+    from draftsmith.train.distill import NonFiniteLossError
 
     out = tmp_path / "nan"
     # An absurd learning rate blows the weights up after the first update: the next loss is
@@ -126,7 +126,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(warm_cache, tmp_path):
 
 
 def test_bad_config_fails_before_work(tmp_path):
-    from train.config import ConfigError
+    from draftsmith.train.config import ConfigError
 
     with pytest.raises(ConfigError, match="optim.lr"):
         _run_inprocess(TINY + ["optim.lr=-1", f"out_dir={tmp_path}"])
@@ -154,7 +154,7 @@ def test_sigkill_then_resume_equals_uninterrupted(warm_cache, tmp_path):
     proc.wait()
     assert not (run / "draft").exists(), "killed too late: the run had already finished"
 
-    from train.checkpoint import latest_checkpoint
+    from draftsmith.train.checkpoint import latest_checkpoint
 
     ckpt, logged = latest_checkpoint(run), _log_rows(run)
     proc = _launch(["--config_file", "conf/accelerate/single.yaml"], run, common, port=29612)
@@ -169,7 +169,7 @@ def test_resume_check_catches_a_run_that_did_not_resume(variant, warm_cache, tmp
     that does nothing, or one that loads the checkpoint under a wrong step, fails it."""
     import logging
 
-    from train import checkpoint, distill
+    from draftsmith.train import checkpoint, distill
 
     common = TINY + ["draft=medusa", "train.save_every=3", "train.eval_every=5", "seed=3",
                      f"out_dir={tmp_path}"]
@@ -236,7 +236,7 @@ def test_launcher_mismatch_is_refused(tmp_path):
 
 
 def test_cpu_threads_default_uses_the_cores_of_this_machine(monkeypatch):
-    from train.runtime import cpu_threads
+    from draftsmith.train.runtime import cpu_threads
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what `accelerate launch` exports by default
@@ -251,7 +251,7 @@ def test_cpu_threads_default_uses_the_cores_of_this_machine(monkeypatch):
 def _recipe(overrides: list[str]):
     from accelerate.state import AcceleratorState
 
-    from train.distill import DistillRecipe
+    from draftsmith.train.distill import DistillRecipe
 
     AcceleratorState._reset_state(True)
     recipe = DistillRecipe(_compose(overrides))
@@ -331,7 +331,7 @@ def test_shared_teacher_equality_fails_when_teacher_rows_are_misaligned(warm_cac
                                                                        monkeypatch):
     """Twin: with the teacher row of each EAGLE position off by one token, the fast path's loss
     is no longer the per-position one (the comparison above can fail)."""
-    from heads import blocks, eagle_ttt
+    from draftsmith.heads import blocks, eagle_ttt
 
     monkeypatch.setattr(eagle_ttt, "teacher_rows",
                         lambda b, t, s, device: blocks.teacher_rows(b, t, s + 1, device))
@@ -341,11 +341,11 @@ def test_shared_teacher_equality_fails_when_teacher_rows_are_misaligned(warm_cac
 
 
 def test_auto_dtypes_resolve_to_the_measured_fastest(monkeypatch, tmp_path):
-    import data.dtype
-    from train.config import resolve_auto_dtypes
+    from draftsmith.data import dtype
+    from draftsmith.train.config import resolve_auto_dtypes
 
     for fast, want_mp in (("bfloat16", "bf16"), ("float32", "no")):
-        monkeypatch.setattr(data.dtype, "fastest_dtype", lambda device="cpu", f=fast: f)
+        monkeypatch.setattr(dtype, "fastest_dtype", lambda device="cpu", f=fast: f)
         cfg = _compose(TINY + ["target.dtype=auto", "train.mixed_precision=auto",
                                f"out_dir={tmp_path}"])
         resolve_auto_dtypes(cfg)
@@ -356,7 +356,7 @@ def test_auto_dtypes_resolve_to_the_measured_fastest(monkeypatch, tmp_path):
 
 
 def test_bad_target_dtype_is_refused_naming_the_choices(tmp_path):
-    from train.config import ConfigError, validate_config
+    from draftsmith.train.config import ConfigError, validate_config
 
     with pytest.raises(ConfigError, match="target.dtype"):
         validate_config(_compose(TINY + ["target.dtype=fp8", f"out_dir={tmp_path}"]))

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from train.losses import (
+from draftsmith.train.losses import (
     LOSS_TERMS,
     DistillLoss,
     feature_regression,
     teacher_log_probs,
 )
-from train.metrics import acceptance_stats, expected_acceptance, top1_agreement
+from draftsmith.train.metrics import acceptance_stats, expected_acceptance, top1_agreement
 
 P = [0.5, 0.25, 0.15, 0.1]
 Q = [0.1, 0.2, 0.3, 0.4]
@@ -156,7 +156,7 @@ def test_feature_regression_is_masked_smooth_l1():
 def test_loss_terms_are_the_ones_the_config_allows():
     """One list: DistillLoss and the config validator accept the same terms, and the feature
     regression is not one of them (the recipe adds it with draft.feature_weight)."""
-    from train.config import LOSS_TERMS as config_terms
+    from draftsmith.train.config import LOSS_TERMS as config_terms
 
     assert config_terms is LOSS_TERMS and "feature" not in LOSS_TERMS
     for term in LOSS_TERMS:
@@ -225,7 +225,7 @@ def test_acceptance_sums_from_logits():
 
 def test_tvd_equals_the_rejection_rate_of_the_decoders_verifier():
     """TVD loss = 1 - the acceptance rate that eval.verify actually realises (K = 1 chains)."""
-    from eval.verify import verify_chain_batch
+    from draftsmith.eval.verify import verify_chain_batch
 
     torch.manual_seed(0)
     zp, zq = torch.randn(1, 1, 12) * 2, torch.randn(1, 1, 12) * 2
@@ -245,7 +245,7 @@ def test_tvd_equals_the_rejection_rate_of_the_decoders_verifier():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_forward_kl_equals_autograd_through_log_softmax(temperature, dtype):
-    from train.losses import forward_kl, fused_forward_kl
+    from draftsmith.train.losses import forward_kl, fused_forward_kl
 
     g = torch.Generator().manual_seed(0)
     z = (torch.randn(6, 40, generator=g) * 3).to(dtype)
@@ -264,7 +264,7 @@ def test_fused_forward_kl_equals_autograd_through_log_softmax(temperature, dtype
 
 
 def test_fused_forward_kl_leaves_fp32_logits_untouched():
-    from train.losses import fused_forward_kl
+    from draftsmith.train.losses import fused_forward_kl
 
     z = torch.randn(3, 10)
     before = z.clone()
@@ -275,7 +275,7 @@ def test_fused_forward_kl_leaves_fp32_logits_untouched():
 def test_fused_kl_gradient_check_catches_a_wrong_gradient(monkeypatch):
     """Twin: the comparison above fails when the hand-written backward drops the mass factor
     (correct only for an unrestricted teacher)."""
-    from train import losses
+    from draftsmith.train import losses
 
     def broken(ctx, grad):
         q, p, _ = ctx.saved_tensors
@@ -308,7 +308,7 @@ def test_distill_loss_fused_and_reference_agree_with_every_teacher_form():
 
 
 def test_shared_teacher_computes_each_row_once_and_matches_per_position_teachers(monkeypatch):
-    from train import losses
+    from draftsmith.train import losses
 
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(12, 8, generator=g)
@@ -333,7 +333,7 @@ def test_shared_teacher_with_the_cached_normaliser_needs_only_the_draft_rows(mon
     """With the cache's log-normaliser the teacher over a reduced vocabulary is the draft rows'
     logits minus it: no vocabulary-wide softmax runs, and the log-probs are the same. Twin: a
     normaliser one row off gives other log-probs."""
-    from train import losses
+    from draftsmith.train import losses
 
     g = torch.Generator().manual_seed(3)
     hidden, w = torch.randn(12, 8, generator=g), torch.randn(30, 8, generator=g)
@@ -375,7 +375,7 @@ def test_ce_data_with_shared_teacher_and_reduced_vocab_equals_the_hidden_path():
 def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monkeypatch):
     """The LM head over cached hidden states has one implementation,
     ``data.features.teacher_logits``; losses and metrics reach it through teacher_log_probs."""
-    from data import features
+    from draftsmith.data import features
 
     g = torch.Generator().manual_seed(7)
     hidden, w = torch.randn(3, 8, generator=g), torch.randn(20, 8, generator=g)
@@ -393,7 +393,7 @@ def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monke
 def test_teacher_logits_run_the_matmul_in_the_lm_heads_dtype():
     """A bf16 target's teacher is its bf16 LM head output (as in the target's own forward),
     returned in fp32 and divided by the temperature there."""
-    from data.features import teacher_logits
+    from draftsmith.data.features import teacher_logits
 
     g = torch.Generator().manual_seed(8)
     hidden = torch.randn(4, 16, generator=g).half()  # the cache's fp16 rows

@@ -9,11 +9,9 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from tests.train.launching import TINY
-from tests.train.launching import compose_config as _compose
-from train.config import ConfigError
-from train.losses import DistillLoss, shared_teacher_rows
-from train.memory import (
+from draftsmith.train.config import ConfigError
+from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.memory import (
     MARGIN,
     GiB,
     TrainShapes,
@@ -24,6 +22,8 @@ from train.memory import (
     run_shapes,
     usable_memory,
 )
+from tests.train.launching import TINY
+from tests.train.launching import compose_config as _compose
 
 V, H = 262144, 640  # Gemma 3 270M
 
@@ -103,7 +103,7 @@ def test_a_run_that_fits_passes_and_logs_one_line(caplog):
 
 @pytest.mark.parametrize("mode", ["own", "shared"])
 def test_run_shapes_count_the_built_draft(mode):
-    from train.trainable import build_trainable
+    from draftsmith.train.trainable import build_trainable
 
     target = make_tiny_target()
     cfg = _compose(TINY + ["draft=medusa", "draft.config.num_heads=2",
@@ -128,7 +128,7 @@ def test_run_shapes_count_the_built_draft(mode):
 
 
 def test_usable_memory_reads_the_cgroup_limit(tmp_path, monkeypatch):
-    from train import memory
+    from draftsmith.train import memory
 
     (tmp_path / "memory.max").write_text(f"{2 * GiB}\n")
     (tmp_path / "memory.stat").write_text(f"anon {GiB // 2}\nfile {GiB}\n")
@@ -222,8 +222,8 @@ def test_recipe_loss_past_the_budget_equals_the_kept_path(lm_head, tmp_path, mon
     even that is over the budget) give the loss and gradients of the path that keeps them."""
     from accelerate.state import AcceleratorState
 
-    import train.distill
-    from train.distill import DistillRecipe
+    from draftsmith.train import distill
+    from draftsmith.train.distill import DistillRecipe
 
     AcceleratorState._reset_state(True)
     recipe = DistillRecipe(_compose(TINY + ["draft=medusa", f"draft.config.lm_head={lm_head}",
@@ -233,7 +233,7 @@ def test_recipe_loss_past_the_budget_equals_the_kept_path(lm_head, tmp_path, mon
         batch = next(recipe._batches())
         want_loss, want = _recipe_loss_and_grads(recipe, batch)
         calls = []
-        monkeypatch.setattr(train.distill, "recompute_loss",
+        monkeypatch.setattr(distill, "recompute_loss",
                             lambda n, budget: calls.append(n) or True)
         shared_loss, shared = _recipe_loss_and_grads(recipe, batch)
         assert calls  # the shared table, chunks recomputed
@@ -254,8 +254,8 @@ def test_the_recipe_refuses_a_run_that_would_not_fit_before_its_first_step(tmp_p
                                                                            monkeypatch):
     from accelerate.state import AcceleratorState
 
-    from train import memory
-    from train.distill import DistillRecipe
+    from draftsmith.train import memory
+    from draftsmith.train.distill import DistillRecipe
 
     monkeypatch.setattr(memory, "usable_memory", lambda device: (GiB // 2, "a small test box"))
     for check in (True, False):

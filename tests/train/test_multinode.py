@@ -89,7 +89,7 @@ def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_pat
     if how == "frozen":
         assert 15 < waited < 120, f"machine 0 failed after {waited:.0f} s, not ~20 s"
     # both machines relaunched with the same command: training goes on from the checkpoint
-    from train.checkpoint import latest_checkpoint
+    from draftsmith.train.checkpoint import latest_checkpoint
 
     ckpt, logged = latest_checkpoint(run), log_rows(run)
     assert ckpt is not None
@@ -208,7 +208,7 @@ def test_online_features_give_the_losses_of_the_offline_cache(fuse, tmp_path, mo
     with safe_open(str(caches[True] / "train" / man["shards"][0]["file"]), "pt") as f:
         assert sorted(f.keys()) == ["input_ids", "loss_mask", "offsets"]
     # twin: online features one position late (the hidden state of the previous token) miss
-    from data import features
+    from draftsmith.data import features
 
     forward = features._forward
 

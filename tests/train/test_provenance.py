@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from test_distill import TINY, _run_inprocess
 
-from heads.package import load_package
-from train.checkpoint import (
+from draftsmith.heads.package import load_package
+from draftsmith.train.checkpoint import (
     RESUME_FREE_KEYS,
     config_differences,
     latest_checkpoint,
     load_trainer_state,
 )
-from train.config import ConfigError
+from draftsmith.train.config import ConfigError
 
 COMMON = TINY + ["draft=medusa", "train.save_every=3", "train.eval_every=3", "seed=3"]
 
@@ -49,7 +49,7 @@ def _copy(first_run: Path, tmp_path: Path) -> Path:
 
 def test_a_changed_config_is_refused_naming_each_key_and_nothing_is_lost(first_run, tmp_path,
                                                                          monkeypatch):
-    import data.target
+    import draftsmith.data.target
 
     out = _copy(first_run, tmp_path)
     before = _files(out)
@@ -57,7 +57,7 @@ def test_a_changed_config_is_refused_naming_each_key_and_nothing_is_lost(first_r
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded before the checkpoint's config was checked")
 
-    monkeypatch.setattr(data.target, "load_target", refuse)
+    monkeypatch.setattr(draftsmith.data.target, "load_target", refuse)
     with pytest.raises(ConfigError) as err:
         _run_inprocess(COMMON + ["train.max_steps=3", "optim.lr=0.5", "loss.temperature=2.0",
                                  f"out_dir={out}"])
@@ -128,3 +128,13 @@ def test_the_ignore_list_only_skips_keys_that_cannot_change_the_weights():
     assert config_differences(saved, {**same, "seed": 1}, auto=("target.dtype",)) == [
         "seed: checkpoint '<absent>', this run 1"]
     assert "optim" not in " ".join(RESUME_FREE_KEYS) and "seed" not in RESUME_FREE_KEYS
+
+
+def test_a_checkpoint_from_before_the_draftsmith_namespace_resumes():
+    """Its ``_target_`` strings lack the ``draftsmith.`` prefix; another class still differs."""
+    old = {"loss": {"_target_": "train.losses.DistillLoss", "temperature": 1.0}}
+    new = {"loss": {"_target_": "draftsmith.train.losses.DistillLoss", "temperature": 1.0}}
+    assert config_differences(old, new) == []
+    other = {"loss": {"_target_": "draftsmith.train.losses.OtherLoss", "temperature": 1.0}}
+    (diff,) = config_differences(old, other)
+    assert diff.startswith("loss._target_: checkpoint 'train.losses.DistillLoss', this run")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from train import runtime
-from train.config import ConfigError
-from train.runtime import (
+from draftsmith.train import runtime
+from draftsmith.train.config import ConfigError
+from draftsmith.train.runtime import (
     MALLOC_SWITCH,
     TUNED_MALLOC,
     StepLog,

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from data.features import logit_softcap, teacher_log_normalizer, teacher_logits
-from train.losses import DistillLoss, shared_teacher_rows, teacher_log_probs
-from train.metrics import acceptance_stats
+from draftsmith.data.features import logit_softcap, teacher_log_normalizer, teacher_logits
+from draftsmith.train.losses import DistillLoss, shared_teacher_rows, teacher_log_probs
+from draftsmith.train.metrics import acceptance_stats
 
 CAP = 2.0  # small, so random logits reach it
 

@@ -5,21 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from train.runtime import TUNED_MALLOC, trim_freed_memory
-
-REPO = Path(__file__).resolve().parents[2]
+from draftsmith.train.runtime import TUNED_MALLOC, trim_freed_memory
 
 # Under the tuned allocator: allocate 40 blocks of 8 MB, free every other one with a live block
 # between (fragments the heap: nothing at its top to release), then call the valve.
 SCRIPT = """
-import os, sys
-sys.path.insert(0, {repo!r})
+import os
 import torch
-from train.runtime import trim_freed_memory
+from draftsmith.train.runtime import trim_freed_memory
 
 def resident():
     with open("/proc/self/statm") as f:
@@ -35,7 +31,7 @@ print(trimmed, before, resident())
 
 def run(limit: float) -> tuple[bool, int, int]:
     env = {**os.environ, **TUNED_MALLOC, "DRAFTSMITH_MALLOC": "tuned"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=str(REPO), limit=limit)],
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(limit=limit)],
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     return out[0] == "True", int(out[1]), int(out[2])
 
