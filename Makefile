@@ -38,8 +38,9 @@ release: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout 1200 --durations=30 $(ARGS)
 
+# The edit loop: no `slow` or `real` tests, two pytest-xdist workers (one torch thread each).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not real" $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not real" $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py $(TRAIN_ARGS)

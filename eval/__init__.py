@@ -1,5 +1,5 @@
-"""draftsmith evaluation: verification, proposers, the speculative decoder, K*, sweeps and
-reports."""
+"""draftsmith evaluation: the tools that load drafts, decode prompt sets, measure K* and tree
+shapes, sweep and report; the speculative decoder they run lives in :mod:`eval.decoding`."""
 from pathlib import Path
 
 # The evaluation tools' Hydra configs: conf/eval in a checkout, draftsmith/conf/eval in a wheel.

@@ -46,8 +46,8 @@ def integer(key: str, value: Any, allowed: str) -> int:
 
 def check_sampling(temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0) -> None:
     """Refuse a temperature that is not finite and >= 0, a top_p outside (0, 1] and a negative
-    or fractional top_k (the decoder's :func:`eval.verify.warp` would refuse them only after the
-    model loaded and warmed up, or fail inside torch for NaN)."""
+    or fractional top_k (the decoder's :func:`eval.decoding.verify.warp` would refuse them only
+    after the model loaded and warmed up, or fail inside torch for NaN)."""
     allowed = "a finite temperature >= 0 (0 = greedy, > 0 samples)"
     if number("temperature", temperature, allowed) < 0:
         raise ValueError(f"temperature={temperature} is negative; pass {allowed}")

@@ -11,8 +11,8 @@ prompts runs in the same process (``baseline=true``), interleaved per prompt (pl
 speculative, plain), and gives the ``speedup``: the median of the per-prompt ratios, with
 ``speedup_spread`` (their min and max) and ``noisy`` (the plain repeats of more than a quarter of
 the prompts differ by more than ``noise_tolerance``); ``draft=none`` measures plain against plain
-(~1.0x: a check of the measurement). The JSON has a
-``summary`` (the :class:`~eval.stats.DecodeStats` fields plus ``speedup``, ``k``, ``k_source``,
+(~1.0x: a check of the measurement). The JSON has a ``summary`` (the
+:class:`~eval.decoding.stats.DecodeStats` fields plus ``speedup``, ``k``, ``k_source``,
 ``draft_kind``, ``lossless``, ``device``, ``dtype``) and ``samples`` (one per prompt: ``id``,
 ``category``, ``prompt_ids``, ``output_ids``, ``output_text``, ``tau``, ...).
 """
@@ -36,6 +36,9 @@ from draftsmith.eval.checks import (
     integer,
     number,
 )
+from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.decoding.slots import check_layout
+from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.eval.draft import (
     TreeMode,
     build_proposer,
@@ -44,9 +47,6 @@ from draftsmith.eval.draft import (
     resolve_k,
     settle,
 )
-from draftsmith.eval.proposers import PlainProposer, PromptLookupProposer, Proposer
-from draftsmith.eval.slots import check_layout
-from draftsmith.eval.tree import check_tree_draw
 
 CONF_FILE = CONF_DIR / "decode.yaml"
 NO_DRAFT = ("none", "null", "")
@@ -172,9 +172,10 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
 
 def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, records: list,
                     sampling: Any, eos: Any, tolerance: float) -> tuple[Any, Any]:
-    """``batch_size > 1``: :class:`~eval.batch.BatchDecoder` (fixed K, per-row fallback) and
-    plain batched decoding, paired per batch (:func:`eval.session.paired_batches`)."""
-    from draftsmith.eval.batch import BatchDecoder
+    """``batch_size > 1``: :class:`~eval.decoding.batch.BatchDecoder` (fixed K, per-row
+    fallback) and plain batched decoding, paired per batch (:func:`eval.session.paired_batches`).
+    """
+    from draftsmith.eval.decoding.batch import BatchDecoder
 
     if cfg.acceptance != "lossless":
         raise ValueError("batch_size > 1 verifies losslessly: use acceptance=lossless")

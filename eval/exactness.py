@@ -33,10 +33,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from draftsmith.eval import session
 from draftsmith.eval.decode import CONF_DIR, DTYPES
+from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
 from draftsmith.eval.machine import environment
-from draftsmith.eval.proposers import PlainProposer, PromptLookupProposer, Proposer
-from draftsmith.eval.stats import DecodeStats
 from draftsmith.heads.family import TreeKind, get_family
 
 # decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too

@@ -1,8 +1,8 @@
 """K*: the draft length that maximises expected speedup, and the ``speculation.json`` record.
 
-The cost model (``E_K``, the speedup of K drafts, K*) is :mod:`eval.cost`. Costs are medians of
-repeated timings on the machine at hand; alphas come from a decoder run at a fixed ``K`` without
-adaptation or fallback. The record names the hardware, dtype, versions and date;
+The cost model (``E_K``, the speedup of K drafts, K*) is :mod:`eval.decoding.cost`. Costs are
+medians of repeated timings on the machine at hand; alphas come from a decoder run at a fixed ``K``
+without adaptation or fallback. The record names the hardware, dtype, versions and date;
 ``eval/measure.py`` is its command line.
 """
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from draftsmith.eval.cost import Costs, choose_kstar
-from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.cost import Costs, choose_kstar
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposal import DecodeContext, Sampling
+from draftsmith.eval.decoding.proposers import Proposer
+from draftsmith.eval.decoding.stats import DecodeStats
+from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.machine import environment
-from draftsmith.eval.proposal import DecodeContext, Sampling
-from draftsmith.eval.proposers import Proposer
-from draftsmith.eval.stats import DecodeStats
-from draftsmith.eval.target_model import Target
 
 
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:

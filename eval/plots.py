@@ -41,8 +41,8 @@ class SpeedupSeries:
         speedups: measured speedup for each K (same order as ``ks``).
         best_k: the measured K* (highest speedup), marked with a star.
         predicted_ks: K values of the predicted curve.
-        predicted: the cost model's expected speedup (:func:`eval.cost.expected_speedups`) for
-            each of ``predicted_ks``.
+        predicted: the cost model's expected speedup
+            (:func:`eval.decoding.cost.expected_speedups`) for each of ``predicted_ks``.
     """
 
     label: str

@@ -19,8 +19,8 @@ job (written by ``eval/sweep.py`` with a ``job`` block, or straight by ``eval/de
   served conditional ``alpha`` of jobs at the same temperature (at T = 0: validation's top-1
   agreement, the greedy acceptance probability); ``gap_flag``: some ``|alpha_hat_i - alpha_i|``
   exceeds ``gap_threshold`` and two binomial standard errors of the drafts reached there.
-- predicted speedup (chain groups): the cost model of :mod:`eval.cost` on the alpha and costs
-  of the draft package's ``speculation.json``, i.e. the expected speedups ``eval/measure.py``
+- predicted speedup (chain groups): the cost model of :mod:`eval.decoding.cost` on the alpha and
+  costs of the draft package's ``speculation.json``, i.e. the expected speedups ``eval/measure.py``
   printed; only for groups at the temperature it was measured at.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftsmith.eval import CONF_DIR, plots
-from draftsmith.eval.cost import expected_speedups, parse_costs
+from draftsmith.eval.decoding.cost import expected_speedups, parse_costs
 
 CSV_COLUMNS = [
     "job", "label", "method", "draft", "draft_kind", "k", "tree_size", "schedule", "temperature",

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers import PlainProposer, Proposer
-from draftsmith.eval.stats import DecodeStats
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposers import PlainProposer, Proposer
+from draftsmith.eval.decoding.stats import DecodeStats
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ def paired_many(decs: Sequence[SpeculativeDecoder], model: torch.nn.Module | Non
 def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], sampling: Sampling,
                    eos: Any, batch_size: int,
                    noise_tolerance: float = NOISE_TOLERANCE) -> Paired:
-    """:func:`paired` for :class:`~eval.batch.BatchDecoder`: the records in batches of
+    """:func:`paired` for :class:`~eval.decoding.batch.BatchDecoder`: the records in batches of
     ``batch_size`` (in order); per batch, plain batched decoding, ``dec``, plain again (one
     generator per batch, seeded ``sampling.seed + first index``). A batch's ratio is its
     tokens/s (all rows, over the batch's wall time) over the mean of its two plain runs; every

@@ -25,7 +25,8 @@ whatever the target's (what the engines' DFlash layers compute). The embedding i
 unscaled, as the engines do (a Gemma target scales its own embeddings inside its forward).
 
 Training (``heads/dflash_train.py``): anchors sampled among assistant positions, all blocks of a
-batch in one forward under one boolean mask, one ``DistillTarget`` per slot.
+batch in one forward under one boolean mask (:func:`block_attention_mask`, here), one
+``DistillTarget`` per slot.
 """
 from __future__ import annotations
 
@@ -46,10 +47,6 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.heads.blocks import HeadConfig, master_dtype
-from draftsmith.heads.dflash_train import (  # noqa: F401 (the family's training entry point lives there)
-    block_attention_mask,
-    distill_targets,
-)
 from draftsmith.heads.draft_config import draft_layer_config, text_config
 from draftsmith.heads.eagle import effective_norm_weight
 
@@ -207,6 +204,35 @@ class DFlashLayer(nn.Module):
                 allowed: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_kv, allowed)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def block_attention_mask(anchors: Tensor, valid: Tensor, seq: int, block_size: int,
+                         attention_mask: Tensor | None = None) -> Tensor:
+    """Which keys each block slot attends to, over ``[context (T); blocks (N*B_s)]``.
+
+    Compares positions, never block numbers: a query of the block at anchor a sees a context
+    key at position t iff ``t < a`` (and t is not padding, and the block is a real one), and a
+    block key iff that key's block has the same anchor position (anchors are distinct within a
+    row, so that is its own block, every slot of it: bidirectional).
+
+    Args:
+        anchors: (B, N) anchor positions, distinct within a row.
+        valid: (B, N) bool; a filler block (False) sees only itself.
+        seq: T, the context length.
+        block_size: B_s.
+        attention_mask: (B, T) 0/1 padding mask or None.
+
+    Returns:
+        (B, 1, N*B_s, T + N*B_s) bool, True = attend.
+    """
+    t = torch.arange(seq, device=anchors.device)
+    ctx = (t[None, None, :] < anchors[..., None]) & valid[..., None]  # (B, N, T)
+    if attention_mask is not None:
+        ctx = ctx & attention_mask.bool()[:, None, :]
+    own = anchors[:, :, None] == anchors[:, None, :]  # (B, N, N): same anchor position
+    ctx = ctx.repeat_interleave(block_size, dim=1)
+    own = own.repeat_interleave(block_size, dim=1).repeat_interleave(block_size, dim=2)
+    return torch.cat([ctx, own], dim=-1)[:, None]
 
 
 class DFlashDrafter(nn.Module):

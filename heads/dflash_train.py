@@ -1,5 +1,5 @@
-"""Training a DFlash drafter: anchor sampling, the blocks' attention mask and the distillation
-pairs of every block slot (the drafter itself: ``heads/dflash.py``).
+"""Training a DFlash drafter: anchor sampling and the distillation pairs of every block slot
+(the drafter itself and the blocks' attention mask: ``heads/dflash.py``).
 
 Alignment, for an anchor at position a of a sequence of T tokens (``heads/blocks.py``
 conventions: ``hidden[:, t]`` is the target's state after reading tokens <= t, its LM-head
@@ -25,45 +25,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from draftsmith.heads.blocks import DistillTarget, pack_rows
+from draftsmith.heads.dflash import DFlashDrafter
 from draftsmith.heads.eagle_ttt import fuse_features
-
-if TYPE_CHECKING:
-    from draftsmith.heads.dflash import DFlashDrafter
-
-
-def block_attention_mask(anchors: Tensor, valid: Tensor, seq: int, block_size: int,
-                         attention_mask: Tensor | None = None) -> Tensor:
-    """Which keys each block slot attends to, over ``[context (T); blocks (N*B_s)]``.
-
-    Compares positions, never block numbers: a query of the block at anchor a sees a context
-    key at position t iff ``t < a`` (and t is not padding, and the block is a real one), and a
-    block key iff that key's block has the same anchor position (anchors are distinct within a
-    row, so that is its own block, every slot of it: bidirectional).
-
-    Args:
-        anchors: (B, N) anchor positions, distinct within a row.
-        valid: (B, N) bool; a filler block (False) sees only itself.
-        seq: T, the context length.
-        block_size: B_s.
-        attention_mask: (B, T) 0/1 padding mask or None.
-
-    Returns:
-        (B, 1, N*B_s, T + N*B_s) bool, True = attend.
-    """
-    t = torch.arange(seq, device=anchors.device)
-    ctx = (t[None, None, :] < anchors[..., None]) & valid[..., None]  # (B, N, T)
-    if attention_mask is not None:
-        ctx = ctx & attention_mask.bool()[:, None, :]
-    own = anchors[:, :, None] == anchors[:, None, :]  # (B, N, N): same anchor position
-    ctx = ctx.repeat_interleave(block_size, dim=1)
-    own = own.repeat_interleave(block_size, dim=1).repeat_interleave(block_size, dim=2)
-    return torch.cat([ctx, own], dim=-1)[:, None]
 
 
 def _data_generator(input_ids: Tensor) -> torch.Generator:

@@ -29,6 +29,9 @@ With several fused target layers (k > 1) the head's own predictions (width H) ca
 for the k*H fused input, so in the EAGLE-1 and normed layouts a second fusion layer
 ``self_fc: [H, H] -> H`` handles inputs of width H; ``forward`` picks the layer by the feature
 width. With k = 1 both widths are equal and ``fc`` serves both.
+
+Training (fused features, training-time-test unrolling, ``distill_targets``):
+``heads/eagle_ttt.py``, which builds on this module.
 """
 from __future__ import annotations
 
@@ -47,11 +50,6 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.heads.blocks import HeadConfig, additive_mask, causal_allowed, master_dtype
 from draftsmith.heads.draft_config import draft_layer_config
-from draftsmith.heads.eagle_ttt import (  # noqa: F401 (the family's training entry points live here too)
-    distill_targets,
-    eagle_unrolled_forward,
-    fuse_features,
-)
 from draftsmith.heads.vocab import build_vocab_map
 
 EAGLE_LAYOUTS = ("eagle1", "normed", "eagle3")

@@ -3,7 +3,6 @@ distillation pairs of every unrolled step (the head itself: ``heads/eagle.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,9 +16,7 @@ from draftsmith.heads.blocks import (
     teacher_mask,
     teacher_rows,
 )
-
-if TYPE_CHECKING:
-    from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle import EagleHead
 
 
 def fuse_features(layers: Tensor, layer_ids: Sequence[int], fuse_layers: Sequence[int]) -> Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.heads import dflash, draft_lm, eagle, medusa
+from draftsmith.heads import dflash, dflash_train, draft_lm, eagle, eagle_ttt, medusa
 from draftsmith.heads.family_base import WEIGHTS, DraftFamily, HeadStateError, TreeKind
 
 __all__ = ["FAMILIES", "WEIGHTS", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
@@ -86,7 +86,7 @@ class DraftLMFamily(DraftFamily):
 
     name = "lm"
     config_class = draft_lm.DraftLMConfig
-    proposer = "draftsmith.eval.proposers.DraftLMProposer"
+    proposer = "draftsmith.eval.decoding.proposers.DraftLMProposer"
     draft_vocab = True
     hf_model = True
     export_formats = ("hf", "gguf")
@@ -156,7 +156,7 @@ class MedusaFamily(DraftFamily):
 
     name = "medusa"
     config_class = medusa.MedusaConfig
-    proposer = "draftsmith.eval.proposers_medusa.MedusaProposer"
+    proposer = "draftsmith.eval.decoding.proposers_medusa.MedusaProposer"
     tree = TreeKind.STATIC
     tree_by_default = True
     export_formats = ("medusa",)
@@ -222,12 +222,12 @@ class EagleFamily(DraftFamily):
 
     name = "eagle"
     config_class = eagle.EagleConfig
-    proposer = "draftsmith.eval.proposers_eagle.EagleProposer"
+    proposer = "draftsmith.eval.decoding.proposers_eagle.EagleProposer"
     tree_by_default = True
     batched_tree = True
     draft_vocab = True
     export_formats = ("eagle", "eagle3", "speculators")
-    distill_targets = staticmethod(eagle.distill_targets)
+    distill_targets = staticmethod(eagle_ttt.distill_targets)
 
     def build(self, head_config, target_model, token_counts=None):
         if self.needs_token_counts(head_config) and token_counts is None:
@@ -297,10 +297,10 @@ class DFlashFamily(DraftFamily):
 
     name = "dflash"
     config_class = dflash.DFlashConfig
-    proposer = "draftsmith.eval.proposers_dflash.DFlashProposer"
+    proposer = "draftsmith.eval.decoding.proposers_dflash.DFlashProposer"
     tree = TreeKind.NONE
     export_formats = ("dflash",)
-    distill_targets = staticmethod(dflash.distill_targets)
+    distill_targets = staticmethod(dflash_train.distill_targets)
 
     def resolve_config(self, raw, target_config):
         """``fuse_layers: auto`` as EAGLE-3's; ``mask_token_id: auto`` (or null) becomes the

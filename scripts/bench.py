@@ -35,10 +35,10 @@ from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import decode, session
 from draftsmith.eval.checks import check_out_dir, check_sampling, integer
+from draftsmith.eval.decoding.stats import DecodeStats
+from draftsmith.eval.decoding.target_model import native_gqa
 from draftsmith.eval.draft import DEFAULT_K, Measured, build_proposer, load_draft, resolve_k, settle
 from draftsmith.eval.kstar import environment
-from draftsmith.eval.stats import DecodeStats
-from draftsmith.eval.target_model import native_gqa
 from draftsmith.heads.family import FAMILIES, TreeKind
 from draftsmith.heads.vocab import FULL
 
@@ -342,8 +342,8 @@ def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> li
     drafts), after the first question's prompt, for each dtype: what K* trades against."""
     import copy
 
+    from draftsmith.eval.decoding.target_model import Target
     from draftsmith.eval.kstar import forward_costs
-    from draftsmith.eval.target_model import Target
 
     out = []
     for name in cfg.forward_costs.dtypes:

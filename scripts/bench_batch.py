@@ -39,11 +39,11 @@ from omegaconf import DictConfig, OmegaConf
 from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import decode, session
-from draftsmith.eval.batch import BatchDecoder
 from draftsmith.eval.checks import check_out_dir, check_sampling, integer
+from draftsmith.eval.decoding.batch import BatchDecoder
+from draftsmith.eval.decoding.proposers import PlainProposer
 from draftsmith.eval.draft import build_proposer, load_draft, settle
 from draftsmith.eval.kstar import environment
-from draftsmith.eval.proposers import PlainProposer
 from draftsmith.heads.family import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]

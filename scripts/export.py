@@ -51,6 +51,7 @@ from draftsmith.heads.package import (
     write_manifest,
 )
 from draftsmith.heads.vocab import TOKEN_FREQUENCY
+from draftsmith.scripts.export_dflash import write_dflash
 from draftsmith.scripts.export_formats import (
     REFERENCE_FILES,
     REFERENCE_WITH_EMBEDDING,
@@ -64,6 +65,7 @@ __all__ = ["ExportError", "OutPathError", "check_out", "export_package", "tensor
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
+FORMAT_WRITERS = {**WRITERS, "dflash": write_dflash}  # the writer of each format
 
 
 class OutPathError(ValueError):
@@ -205,11 +207,11 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                     "hub id or a path: pass verifier=<hub id or folder of the target>", verifier)
     out = Path(out)
     with staged(out) as tmp:
-        WRITERS[fmt](pkg, tmp, WriteOptions(dtype, k, verifier, engine,
-                                            getattr(target, "tokenizer", None),
-                                            legacy_speculators,
-                                            None if gguf_vocab_from is None
-                                            else str(gguf_vocab_from), reference_files))
+        opts = WriteOptions(dtype, k, verifier, engine, getattr(target, "tokenizer", None),
+                            legacy_speculators,
+                            None if gguf_vocab_from is None else str(gguf_vocab_from),
+                            reference_files)
+        FORMAT_WRITERS[fmt](pkg, tmp, opts)
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
         if (pkg.path / TOKEN_FREQUENCY).is_file():  # the draft vocabulary of speculation.json

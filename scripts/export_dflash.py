@@ -29,6 +29,13 @@ import torch
 
 from draftsmith.heads.exports import WEIGHTS, fc_columns
 from draftsmith.heads.package import DraftPackage
+from draftsmith.scripts.export_formats import (
+    _refuse,
+    _save,
+    _speculators_config,
+    _write_json,
+    readable_by_older_loaders,
+)
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose dflash config this writes
 
@@ -55,7 +62,6 @@ def transformer_layer_config(pkg: DraftPackage, dtype: torch.dtype) -> dict[str,
     from transformers import Qwen3Config
 
     from draftsmith.heads.dflash import dflash_layer_config
-    from draftsmith.scripts.export_formats import readable_by_older_loaders
 
     derived = dflash_layer_config(pkg.info["target_config"], pkg.head_config.num_layers)
     n = int(derived.num_hidden_layers)
@@ -79,13 +85,6 @@ def transformer_layer_config(pkg: DraftPackage, dtype: torch.dtype) -> dict[str,
 def write_dflash(pkg: DraftPackage, tmp, opts: Any) -> None:
     """Write ``config.json`` and ``model.safetensors`` of a DFlash drafter into ``tmp``."""
     import transformers
-
-    from draftsmith.scripts.export_formats import (
-        _refuse,
-        _save,
-        _speculators_config,
-        _write_json,
-    )
 
     cfg, ident = pkg.head_config, pkg.info["target"]
     _refuse(dflash_incompatibilities(pkg), "speculators 'dflash'", "DFlash drafter")

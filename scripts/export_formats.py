@@ -28,7 +28,6 @@ from draftsmith.heads.exports import (
     rename_prefix,
 )
 from draftsmith.heads.package import DraftPackage
-from draftsmith.scripts.export_dflash import write_dflash
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
 # EAGLE-1 config.json architectures per engine: vLLM renames "LlamaForCausalLM" to
@@ -404,5 +403,7 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None
         "speculators_config": _speculators_config(pkg, opts, "eagle")})
 
 
+# the writer of each format written here; scripts/export.py adds dflash's (scripts/export_dflash.py,
+# which builds on the helpers above)
 WRITERS = {"hf": _write_hf, "gguf": _write_gguf, "medusa": _write_medusa, "eagle": _write_eagle,
-           "eagle3": _write_eagle3, "speculators": _write_speculators, "dflash": write_dflash}
+           "eagle3": _write_eagle3, "speculators": _write_speculators}

@@ -14,7 +14,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two threads at most; under pytest-xdist (`make test-fast`: -n 2) the cores are split among
+# the workers, since oversubscribed threads slow every worker.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -1,6 +1,8 @@
-"""The house rules of the code base, checked: floors, file sizes, one family list, ruff clean."""
+"""The house rules of the code base, checked: floors, no import cycles, file sizes, one family
+list, ruff clean."""
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -17,7 +19,8 @@ LIBRARY = ("data", "heads", "train", "eval")  # the floors below scripts/
 MAX_LINES = 500
 # Where a family may be named: the registry and the family's own head module and proposer.
 FAMILY_FILES = {"heads/family.py", "heads/draft_lm.py", "heads/medusa.py", "heads/eagle.py",
-                "eval/proposers.py", "eval/proposers_medusa.py", "eval/proposers_eagle.py"}
+                "eval/decoding/proposers.py", "eval/decoding/proposers_medusa.py",
+                "eval/decoding/proposers_eagle.py"}
 
 
 def _sources(dirs: tuple[str, ...]) -> list[Path]:
@@ -35,7 +38,7 @@ def family_comparisons(text: str) -> list[str]:
 def test_the_family_check_catches_a_branch_on_a_family_name():
     assert family_comparisons('    if pkg.kind == "medusa":\n        pass')
     assert family_comparisons("if kind in ('lm', 'eagle'):")
-    assert not family_comparisons('proposer = "draftsmith.eval.proposers.DraftLMProposer"')
+    assert not family_comparisons('proposer = "draftsmith.eval.decoding.proposers.DraftLMProposer"')
 
 
 def test_no_code_branches_on_a_family_name_outside_the_family_files():
@@ -51,6 +54,102 @@ def test_library_packages_do_not_import_scripts():
     bad = {p.relative_to(REPO).as_posix() for p in _sources(LIBRARY)
            if re.search(r"^\s*(from|import) draftsmith\.scripts\b", p.read_text(), re.MULTILINE)}
     assert not bad, f"imports from scripts/ run back up the floors: {sorted(bad)}"
+
+
+def module_imports(root: Path, dirs: tuple[str, ...]) -> dict[str, set[str]]:
+    """Which ``draftsmith`` modules each module under ``root/<dirs>`` imports: every import in the
+    file, at the top, inside functions and under ``TYPE_CHECKING`` alike (any of them makes the two
+    modules lean on each other). ``from package import name`` counts as the module ``name`` when
+    there is one, else as the package."""
+    files = {}
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(("draftsmith", *parts[:-1 if parts[-1] == "__init__" else None]))] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: up from this module's package
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                          for a in node.names}
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """A cycle through each edge that closes one (depth-first search), as ``[a, b, ..., a]``."""
+    cycles, state, stack = [], {}, []  # state: 1 on the stack, 2 done
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_the_cycle_check_catches_a_cycle_through_lazy_and_type_checking_imports(tmp_path):
+    """The twin: a circle closed only by an import inside a function and one under
+    ``TYPE_CHECKING`` (the shapes the proposers / batched drafters and the EAGLE head / its
+    training once had) is found; the same modules importing one way are not."""
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    for rel, text in {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "def f():\n    from draftsmith.pkg.b import g\n",
+        "pkg/b.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from draftsmith.pkg import c\n"),
+        "pkg/c.py": "from draftsmith.pkg import a\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "from .. import a\nfrom . import e\n",
+        "pkg/sub/e.py": "from ..sub import d\n",
+    }.items():
+        (tmp_path / rel).write_text(text)
+    graph = module_imports(tmp_path, ("pkg",))
+    assert graph["draftsmith.pkg.sub.d"] == {"draftsmith.pkg.a", "draftsmith.pkg.sub.e"}
+    cycles = {tuple(c) for c in import_cycles(graph)}
+    assert cycles == {("draftsmith.pkg.a", "draftsmith.pkg.b", "draftsmith.pkg.c",
+                       "draftsmith.pkg.a"),
+                      ("draftsmith.pkg.sub.d", "draftsmith.pkg.sub.e", "draftsmith.pkg.sub.d")}
+    (tmp_path / "pkg/a.py").write_text("")
+    (tmp_path / "pkg/sub/e.py").write_text("")
+    assert not import_cycles(module_imports(tmp_path, ("pkg",)))
+
+
+def test_no_import_cycles():
+    """Imports run one way between any two modules, lazy and ``TYPE_CHECKING`` ones included: a
+    module that reaches back to one that imports it is a floor that is not one."""
+    cycles = import_cycles(module_imports(REPO, PACKAGES))
+    assert not cycles, "import cycles (make one side the floor below): " + "; ".join(
+        " -> ".join(c) for c in cycles)
+
+
+def test_the_decoding_loop_imports_nothing_from_the_evaluation_tools():
+    """``eval/decoding/`` (the loop) is the floor below the rest of ``eval/`` (the tools that load
+    drafts, run sessions, measure and report): it imports from itself, ``data`` and ``heads``."""
+    graph = module_imports(REPO, PACKAGES)
+    room = "draftsmith.eval.decoding"
+    up = {m: sorted(t for t in deps if t.startswith("draftsmith.eval")
+                    and not t.startswith(room))
+          for m, deps in graph.items() if m.startswith(room)}
+    up = {m: deps for m, deps in up.items() if deps}
+    assert not up, f"the decoding loop imports the evaluation tools above it: {up}"
 
 
 def test_one_import_namespace_and_no_sys_path_edits():
@@ -75,9 +174,14 @@ def test_pyproject_installs_only_draftsmith_and_an_entry_point_per_command():
     setup = project["tool"]["setuptools"]
     assert "find" not in setup.get("packages", {}), "packages are listed, not found"
     assert all(name.startswith("draftsmith.") for name in setup["packages"]), setup["packages"]
-    assert set(setup["package-dir"]) == set(setup["packages"])
+    assert set(setup["package-dir"]) <= set(setup["packages"])
     assert all((REPO / folder).is_dir() and "/" not in folder
                for folder in setup["package-dir"].values()), setup["package-dir"]
+    # the rest are sub-packages, their folders inside their parent's; every sub-package is listed
+    # (one left out would be missing from a wheel while an editable install still finds it)
+    subs = {f"draftsmith.{'.'.join(p.parent.relative_to(REPO).parts)}"
+            for d in PACKAGES for p in (REPO / d).rglob("__init__.py") if p.parent != REPO / d}
+    assert set(setup["packages"]) - set(setup["package-dir"]) == subs, setup["packages"]
     targets = set()
     for name, spec in project["project"]["scripts"].items():
         module, func = spec.split(":")

@@ -1,4 +1,4 @@
-"""Batched speculative decoding (eval/batch.py): every row of a batch decodes exactly as it
+"""Batched speculative decoding (eval/decoding/batch.py): every row of a batch decodes exactly as it
 would alone. Greedy rows equal batch-one decoding (and the target's own ``generate``) for plain
 decoding, the draft LM and the EAGLE head (fused layers and a draft vocabulary included);
 sampled rows of different prompts in one batch follow the target's distribution (chi-square),
@@ -11,11 +11,11 @@ import statistics
 import pytest
 import torch
 
-from draftsmith.eval.batch import BatchDecoder
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers import DraftLMProposer, PlainProposer
-from draftsmith.eval.proposers_eagle import EagleProposer
-from draftsmith.eval.slots import PackedSlotCache, SlotCache
+from draftsmith.eval.decoding.batch import BatchDecoder
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposers import DraftLMProposer, PlainProposer
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.slots import PackedSlotCache, SlotCache
 from tests.conftest import randomize, tiny_llama
 from tests.eval.test_decoder import PROMPTS, VOCAB, hf_greedy
 from tests.eval.test_sampling_exact import (
@@ -120,14 +120,14 @@ def test_packed_cache_masks_positions_keep_and_select():
 def test_fallen_back_rows_feed_one_token_when_packed(target_model, layout, monkeypatch):
     # row 1's drafts are always wrong: it falls back while row 0 goes on speculating at K = 3;
     # packed, its verification slot is one token (the block has 4 + 1), padded it is 4 (4 + 4)
-    from draftsmith.eval.stats import KController
+    from draftsmith.eval.decoding.stats import KController
     from draftsmith.scripts.bench_batch import Hostile
 
     class Untimed(KController):  # the fallback test on tokens per step alone, not timings
         def is_loss(self) -> bool:
             return statistics.fmean(s.tokens for s in self.history) < 1.5
 
-    monkeypatch.setattr("draftsmith.eval.batch.KController", Untimed)
+    monkeypatch.setattr("draftsmith.eval.decoding.batch.KController", Untimed)
     proposer = make("lm", target_model)
     dec = BatchDecoder(target_model, proposer, k=3, fallback=True, layout=layout)
     dec.drafter = Hostile(dec.drafter, [1], VOCAB)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.eval import report
-from draftsmith.eval.cost import (
+from draftsmith.eval.decoding.cost import (
     Costs,
     best_k,
     choose_kstar,
@@ -19,10 +19,10 @@ from draftsmith.eval.cost import (
     parse_costs,
     speedup,
 )
+from draftsmith.eval.decoding.proposers import DraftLMProposer
+from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.kstar import choose_kstar as kstar_choose_kstar
 from draftsmith.eval.kstar import measure_speculation
-from draftsmith.eval.proposers import DraftLMProposer
-from draftsmith.eval.target_model import Target
 from tests.conftest import tiny_llama
 
 ALPHA = [0.8, 0.5, 0.25]

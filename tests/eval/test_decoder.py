@@ -8,12 +8,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposal import DecodeContext, Proposal
-from draftsmith.eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer, Proposer
-from draftsmith.eval.proposers_eagle import EagleProposer
-from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
-from draftsmith.eval.target_model import Target
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
+from draftsmith.eval.decoding.proposers import (
+    DraftLMProposer,
+    PlainProposer,
+    PromptLookupProposer,
+    Proposer,
+)
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.eval.decoding.target_model import Target
 from tests.conftest import tiny_llama
 
 VOCAB = 64
@@ -241,7 +246,7 @@ def test_native_gqa_skips_the_kv_copy_and_leaves_the_environment_alone(target_mo
 
     import transformers.integrations.sdpa_attention as sdpa
 
-    from draftsmith.eval.target_model import FORCE_GQA_ENV, native_gqa
+    from draftsmith.eval.decoding.target_model import FORCE_GQA_ENV, native_gqa
 
     assert target_model.config.num_key_value_heads < target_model.config.num_attention_heads
     copies = []

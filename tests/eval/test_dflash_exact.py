@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposal import Proposal
-from draftsmith.eval.proposers_dflash import DFlashProposer
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposal import Proposal
+from draftsmith.eval.decoding.proposers_dflash import DFlashProposer
 from draftsmith.heads.family import get_family
 from tests.eval.test_sampling_exact import (
     DEEP_K,
@@ -76,7 +76,7 @@ def _p_value(setting: dict, proposer_class=DFlashProposer) -> float:
 
 def test_the_drafters_neighbouring_slots_disagree():
     """What makes the twin meaningful: the block's slots draft from clearly different laws."""
-    from draftsmith.eval.target_model import Target
+    from draftsmith.eval.decoding.target_model import Target
 
     model = _binary_llama(seed=1)
     drafter = _drafter(model)

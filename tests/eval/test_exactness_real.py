@@ -167,7 +167,7 @@ def test_tiny_check_covers_a_frequent_token_draft_vocabulary(tiny_setup):
 
 
 def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monkeypatch):
-    from draftsmith.eval import decoder
+    from draftsmith.eval.decoding import decoder
 
     def accept_all(p, q, draft, generator):  # broken: accepts every draft, bonus = argmax
         return int(draft.shape[0]), int(p[-1].argmax())
@@ -241,7 +241,7 @@ def test_native_gqa_verify_forward_is_bitwise_equal_on_the_real_target(real_targ
 
     import transformers.integrations.sdpa_attention as sdpa
 
-    import draftsmith.eval.target_model as tm
+    import draftsmith.eval.decoding.target_model as tm
 
     model = copy.deepcopy(real_target.model).to(dtype).eval()
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA target

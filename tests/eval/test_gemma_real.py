@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers import DraftLMProposer
-from draftsmith.eval.proposers_eagle import EagleProposer
-from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposers import DraftLMProposer
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
 from draftsmith.heads.family import get_family
 
 pytestmark = pytest.mark.real

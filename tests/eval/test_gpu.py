@@ -37,7 +37,7 @@ def on_cuda():
 
 
 def _proposer(draft, model, tree: bool):
-    from draftsmith.eval.proposers import DraftLMProposer
+    from draftsmith.eval.decoding.proposers import DraftLMProposer
 
     return DraftLMProposer(draft, model.config.vocab_size, tree=tree, topk=3, total_tokens=8)
 
@@ -63,7 +63,7 @@ def test_greedy_speculative_decoding_on_cuda_equals_plain_decoding(on_cuda, tree
 def test_sampling_at_temperature_one_runs_on_cuda(on_cuda, drafter):
     """The decoder's random generator must live where the target's logits are: a CPU
     ``torch.Generator`` cannot drive ``torch.multinomial`` / ``torch.rand`` on CUDA tensors."""
-    from draftsmith.eval.proposers import PlainProposer
+    from draftsmith.eval.decoding.proposers import PlainProposer
     from draftsmith.eval.session import decoder
 
     model, draft, records = on_cuda

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from draftsmith.eval.cost import Costs, expected_tokens, parse_costs
+from draftsmith.eval.decoding.cost import Costs, expected_tokens, parse_costs
+from draftsmith.eval.decoding.proposers import DraftLMProposer
+from draftsmith.eval.decoding.stats import KController
+from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.kstar import choose_kstar, measure_speculation
-from draftsmith.eval.proposers import DraftLMProposer
-from draftsmith.eval.stats import KController
-from draftsmith.eval.target_model import Target
 from tests.conftest import tiny_llama
 
 

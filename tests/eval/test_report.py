@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from draftsmith.eval.cost import Costs, expected_speedups, expected_tokens, parse_costs
+from draftsmith.eval.decoding.cost import Costs, expected_speedups, expected_tokens, parse_costs
 from draftsmith.eval.report import build_report, predicted_speedup, run
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval"

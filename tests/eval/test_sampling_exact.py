@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.eval import verify
-from draftsmith.eval.verify import verify_chain_batch, verify_tree_batch, warp
+from draftsmith.eval.decoding import verify
+from draftsmith.eval.decoding.verify import verify_chain_batch, verify_tree_batch, warp
 
 V, NEW, N_SAMPLES = 8, 3, 20_000
 SETTINGS = [{"temperature": 0.7, "top_k": 5, "top_p": 1.0},
@@ -210,9 +210,9 @@ def _exact_tiny(model, prompt: list[int]) -> torch.Tensor:
 
 
 def _e2e_p_value(kind: str) -> float:
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.proposers import DraftLMProposer
-    from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
+    from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoding.proposers import DraftLMProposer
+    from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
     from draftsmith.heads.medusa import MedusaConfig, build_medusa
     from tests.conftest import tiny_llama
 
@@ -249,7 +249,7 @@ def test_decoder_end_to_end_sampling_is_exact(kind):
 def test_draft_vocab_with_q_on_the_wrong_ids_fails(monkeypatch):
     """The subset chain's twin with the draft's q scattered onto ids 0..4 instead of the subset
     (a drafted id then looks like q = 0: always accepted) must fail the same test."""
-    from draftsmith.eval.proposers import DraftLMProposer
+    from draftsmith.eval.decoding.proposers import DraftLMProposer
 
     def misplaced(self, q):
         return q.new_zeros(self.vocab_size).index_copy(0, torch.arange(q.numel()), q)
@@ -299,7 +299,7 @@ class WrongQAtDepth3:
         self.inner.accept(path, new_tokens, target_out)
 
     def propose(self, ctx, k):
-        from draftsmith.eval.proposal import Proposal
+        from draftsmith.eval.decoding.proposal import Proposal
 
         prop = self.inner.propose(ctx, k)
         q = (prop.q if prop.q is not None
@@ -312,8 +312,8 @@ class WrongQAtDepth3:
 def _deep_proposer(kind: str, model):
     import copy
 
-    from draftsmith.eval.proposers import DraftLMProposer
-    from draftsmith.eval.proposers_eagle import EagleProposer
+    from draftsmith.eval.decoding.proposers import DraftLMProposer
+    from draftsmith.eval.decoding.proposers_eagle import EagleProposer
     from draftsmith.heads.eagle import EagleConfig, build_eagle
     from tests.conftest import randomize
 
@@ -347,7 +347,7 @@ def _deep_exact(model, setting: dict) -> torch.Tensor:
 
 
 def _deep_p_value(kind: str, setting: dict, corrupt: bool = False) -> float:
-    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 
     model = _binary_llama(seed=1)
     proposer = _deep_proposer(kind, model)
@@ -367,12 +367,14 @@ def _deep_p_value(kind: str, setting: dict, corrupt: bool = False) -> float:
     return chi_square_p(torch.tensor(outs), _deep_exact(model, setting))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
 @pytest.mark.parametrize("kind", DEEP_KINDS + TOPK_TREES)
 def test_deep_chains_and_trees_sample_exactly(kind, setting):
     assert _deep_p_value(kind, setting) > 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
 @pytest.mark.parametrize("kind", ["lm-chain", "eagle-chain"] + TOPK_TREES)
 def test_twin_a_wrong_q_at_the_third_position_fails(kind, setting):
@@ -398,8 +400,8 @@ def _row(table: torch.Tensor, seq: list[int]) -> torch.Tensor:
 
 def drawn_tree_outputs(toy: Toy, seed: int) -> torch.Tensor:
     """DRAWN_SAMPLES outputs of NEW tokens, each step a DynamicTree drawn from the toy's q."""
-    from draftsmith.eval.proposal import Sampling
-    from draftsmith.eval.tree import DynamicTree
+    from draftsmith.eval.decoding.proposal import Sampling
+    from draftsmith.eval.decoding.tree import DynamicTree
 
     g = torch.Generator().manual_seed(seed)
     sampling = Sampling(temperature=1.0)  # the tables are warped already: warp(log q) = q
@@ -435,13 +437,15 @@ def drawn_tree_outputs(toy: Toy, seed: int) -> torch.Tensor:
     return torch.tensor(outs)
 
 
+@pytest.mark.slow
 def test_drawn_dynamic_tree_samples_exactly():
     toy = Toy(**SETTINGS[1])
     assert chi_square_p(drawn_tree_outputs(toy, seed=3), toy.exact()) > 0.01
 
 
+@pytest.mark.slow
 def test_twin_drawn_siblings_verified_with_the_parents_whole_q_fails(monkeypatch):
-    from draftsmith.eval.tree import DynamicTree
+    from draftsmith.eval.decoding.tree import DynamicTree
 
     def whole_q(self, kept):
         return torch.stack([self.q_of[self.parents[j]] for j in kept])
@@ -451,8 +455,9 @@ def test_twin_drawn_siblings_verified_with_the_parents_whole_q_fails(monkeypatch
     assert chi_square_p(drawn_tree_outputs(toy, seed=3), toy.exact()) < 0.01
 
 
+@pytest.mark.slow
 def test_twin_drawn_siblings_verified_in_score_order_fails(monkeypatch):
-    from draftsmith.eval.tree import DynamicTree
+    from draftsmith.eval.decoding.tree import DynamicTree
 
     def score_order(self, j):
         return (self.depths[j], -self.scores[j], j)
@@ -463,8 +468,8 @@ def test_twin_drawn_siblings_verified_in_score_order_fails(monkeypatch):
 
 
 def test_a_drawn_tree_keeps_its_budget_draw_order_and_distinct_siblings():
-    from draftsmith.eval.proposal import Sampling
-    from draftsmith.eval.tree import DynamicTree
+    from draftsmith.eval.decoding.proposal import Sampling
+    from draftsmith.eval.decoding.tree import DynamicTree
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(40, V, generator=g)
@@ -493,8 +498,8 @@ def test_a_drawn_tree_keeps_its_budget_draw_order_and_distinct_siblings():
 
 
 def test_a_greedy_tree_is_the_top_k_of_point_masses():
-    from draftsmith.eval.proposal import Sampling
-    from draftsmith.eval.tree import DynamicTree
+    from draftsmith.eval.decoding.proposal import Sampling
+    from draftsmith.eval.decoding.tree import DynamicTree
 
     logits = torch.randn(V, generator=torch.Generator().manual_seed(1))
     for sampling, draw in ((Sampling(temperature=0.0), "sample"),

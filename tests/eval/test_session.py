@@ -9,7 +9,7 @@ from conftest import QUESTIONS, make_char_tokenizer, randomize, tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.data.prompts import PromptSetError
-from draftsmith.eval.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer
+from draftsmith.eval.decoding.proposers import DraftLMProposer, PlainProposer, PromptLookupProposer
 from draftsmith.eval.session import Sampling, decode_set, decoder, eos_ids, paired, prompt_records
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 
@@ -145,16 +145,16 @@ class Machine:
 
 
 class FakeDecoder:
-    """``generate`` as :class:`~eval.decoder.SpeculativeDecoder` has it, with wall times from
-    ``machine``; the output is the same for every run, as plain greedy decoding's is."""
+    """``generate`` as :class:`~eval.decoding.decoder.SpeculativeDecoder` has it, with wall times
+    from ``machine``; the output is the same for every run, as plain greedy decoding's is."""
 
     def __init__(self, machine: Machine, seconds_per_token: float = 0.01,
                  jitter: tuple[float, ...] = (1.0,)) -> None:
         self.machine, self.spt, self.jitter, self.calls = machine, seconds_per_token, jitter, 0
 
     def generate(self, prompt_ids, max_new_tokens, *args, seed=None, **kwargs):
-        from draftsmith.eval.decoder import DecodeResult
-        from draftsmith.eval.stats import DecodeStats
+        from draftsmith.eval.decoding.decoder import DecodeResult
+        from draftsmith.eval.decoding.stats import DecodeStats
 
         factor = self.jitter[self.calls % len(self.jitter)]
         self.calls += 1
@@ -297,7 +297,7 @@ def test_sampling_from_config_defaults_and_conversions():
 
 
 def test_decoder_is_warmed_up_on_the_first_record(decode_setup, records, monkeypatch):
-    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 
     calls = []
     real = SpeculativeDecoder.generate

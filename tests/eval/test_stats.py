@@ -8,8 +8,8 @@ from dataclasses import fields
 
 import pytest
 
-from draftsmith.eval.cost import expected_tokens_constant
-from draftsmith.eval.stats import DecodeStats, KController
+from draftsmith.eval.decoding.cost import expected_tokens_constant
+from draftsmith.eval.decoding.stats import DecodeStats, KController
 
 
 def stats_of(steps: list[tuple[int, int]], tokens: int, forwards: int, wall: float,

@@ -158,6 +158,7 @@ FAKE_MODULE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_child_process_for_process_level_settings(tmp_path, monkeypatch):
     (tmp_path / "fake_runner.py").write_text(FAKE_MODULE)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -175,6 +176,7 @@ def test_child_process_for_process_level_settings(tmp_path, monkeypatch):
     assert err["type"] == "JobFailedError" and "boom at k=3" in err["message"]
 
 
+@pytest.mark.slow
 def test_hydra_multirun_end_to_end(tmp_path):
     (tmp_path / "fake_runner.py").write_text(FAKE_MODULE)
     out = tmp_path / "sweep"

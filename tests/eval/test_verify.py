@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.eval.verify import (
+from draftsmith.eval.decoding.verify import (
     verify_chain,
     verify_chain_batch,
     verify_greedy,

@@ -27,11 +27,11 @@ from transformers import (
 )
 
 from draftsmith.data.target import TargetIdentity
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers import DraftLMProposer
-from draftsmith.eval.proposers_dflash import DFlashProposer
-from draftsmith.eval.proposers_eagle import EagleProposer
-from draftsmith.eval.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposers import DraftLMProposer
+from draftsmith.eval.decoding.proposers_dflash import DFlashProposer
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
 from draftsmith.heads.draft_config import draft_layer_config, rope_parameters
 from draftsmith.heads.family import TreeKind, get_family
 from draftsmith.heads.package import load_package, save_package
@@ -247,7 +247,7 @@ def test_twin_wrong_rope_theta_or_layer_ids_fail_the_checks(tmp_path):
 
 def test_twin_no_sliding_window_diverges(monkeypatch):
     """Without the windowed masks, verification on Gemma 3 differs from plain decoding."""
-    import draftsmith.eval.target_model as tm
+    import draftsmith.eval.decoding.target_model as tm
 
     loaded = tiny_target("gemma3")
     model = loaded.model

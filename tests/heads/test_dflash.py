@@ -1,8 +1,8 @@
-"""The DFlash block drafter (heads/dflash.py, heads/dflash_train.py, eval/proposers_dflash.py) on
-tiny random Llama targets: config and family, shapes, the package round trip, the blocks'
-attention mask (with a leaky twin), the training pairs' alignment, a few training steps, and
-decoding: greedy output equals the target's own and the proposer's cached context gives the
-drafts a from-scratch forward gives."""
+"""The DFlash block drafter (heads/dflash.py, heads/dflash_train.py,
+eval/decoding/proposers_dflash.py) on tiny random Llama targets: config and family, shapes, the
+package round trip, the blocks' attention mask (with a leaky twin), the training pairs' alignment, a
+few training steps, and decoding: greedy output equals the target's own and the proposer's cached
+context gives the drafts a from-scratch forward gives."""
 from __future__ import annotations
 
 import re
@@ -11,11 +11,13 @@ import pytest
 import torch
 from conftest import make_tiny_target, randomize
 
-from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposers_dflash import DFlashProposer
 from draftsmith.eval.draft import DraftSettings, settle
-from draftsmith.eval.proposers_dflash import DFlashProposer
-from draftsmith.heads import dflash_train
-from draftsmith.heads.dflash import DFlashConfig, DFlashDrafter, build_dflash, distill_targets
+from draftsmith.heads import dflash, dflash_train
+from draftsmith.heads.dflash import DFlashConfig, DFlashDrafter, build_dflash
+from draftsmith.heads.dflash_train import distill_targets
 from draftsmith.heads.family import TreeKind, get_family
 from draftsmith.heads.package import load_package, save_package
 from draftsmith.train.losses import DistillLoss, shared_teacher_rows
@@ -170,7 +172,7 @@ def test_twin_a_leaky_mask_is_caught(target, monkeypatch):
     ids = ids_of(2, b=1, t=16)
     feats, _ = features(target, ids)
     anchors = torch.tensor([[5, 9]])
-    right = dflash_train.block_attention_mask
+    right = dflash.block_attention_mask
 
     def sees_its_anchor(anchors, valid, seq, bs, attn=None):
         allowed = right(anchors, valid, seq, bs, attn)
@@ -187,15 +189,14 @@ def test_twin_a_leaky_mask_is_caught(target, monkeypatch):
     other = ids.clone()
     other[0, 9] = 50 if ids[0, 9] != 50 else 51
     for leak, changed in ((sees_its_anchor, (later, ids)), (sees_other_blocks, (feats, other))):
-        monkeypatch.setattr(dflash_train, "block_attention_mask", leak)
-        monkeypatch.setattr("draftsmith.heads.dflash.block_attention_mask", leak)
+        monkeypatch.setattr(dflash, "block_attention_mask", leak)
         base = _block_logits(d, feats, ids, anchors)
         assert not torch.allclose(_block_logits(d, *changed, anchors)[:, 0], base[:, 0]), leak
 
 
 def test_the_mask_compares_positions_and_keeps_filler_blocks_to_themselves():
     anchors, valid = torch.tensor([[3, 6]]), torch.tensor([[True, False]])
-    m = dflash_train.block_attention_mask(anchors, valid, 8, 2)[0, 0]  # (4, 8 + 4)
+    m = dflash.block_attention_mask(anchors, valid, 8, 2)[0, 0]  # (4, 8 + 4)
     assert m.shape == (4, 12)
     assert m[:2, :8].tolist() == [[True] * 3 + [False] * 5] * 2
     assert not m[2:, :8].any()  # a filler block sees no context
@@ -334,8 +335,8 @@ def test_the_context_cache_drafts_what_a_fresh_forward_drafts(target):
 def test_the_context_cache_after_accepting_several_drafts(target):
     """accept() with several rows at once (the pending token and accepted drafts): the block's
     final states over the cache equal a fresh forward's, step after step."""
-    from draftsmith.eval.proposal import DecodeContext
-    from draftsmith.eval.target_model import Target
+    from draftsmith.eval.decoding.proposal import DecodeContext
+    from draftsmith.eval.decoding.target_model import Target
 
     d = drafter(target, block_size=4).eval()
     prop = DFlashProposer(d, 96)
@@ -368,7 +369,7 @@ def test_chains_only_and_no_batches(target):
     with pytest.raises(ValueError, match="draft_vocab=full"):
         DFlashProposer.for_draft(d, d.cfg, 96, chain, vocab_ids=torch.arange(10))
     with pytest.raises(ValueError, match="batch_size=1"):
-        DFlashProposer(d, 96).batched()
+        batch_drafter_for(DFlashProposer(d, 96))
 
     from types import SimpleNamespace
 

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposal import DecodeContext, Sampling
-from draftsmith.eval.proposers import DraftLMProposer, head_rows
-from draftsmith.eval.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposal import DecodeContext, Sampling
+from draftsmith.eval.decoding.proposers import DraftLMProposer, head_rows
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.heads.vocab import (
     TOKEN_FREQUENCY,
     counts_from_record,
@@ -90,7 +90,7 @@ def test_drafts_stay_in_the_subset_and_greedy_equals_generate(target_model, name
 
 @pytest.mark.parametrize("name", ["lm", "eagle"])
 def test_sampled_draft_q_is_zero_outside_the_subset(target_model, name):
-    from draftsmith.eval.target_model import Target
+    from draftsmith.eval.decoding.target_model import Target
 
     proposer = _proposer(name, target_model, SUBSET)
     prompt = PROMPTS[1]

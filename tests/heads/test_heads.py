@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from draftsmith.heads import draft_lm, eagle, medusa
+from draftsmith.heads import draft_lm, eagle_ttt, medusa
 from draftsmith.heads.draft_lm import DraftLMConfig, apply_lora, build_draft_lm
 from draftsmith.heads.eagle import EagleConfig, EagleHead, build_eagle
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
@@ -235,7 +235,7 @@ def test_eagle_unrolled_steps_equal_step_by_step_drafting(layout):
     ids = _ids()
     hidden = _feats(_hidden(target, ids), k)
     with torch.no_grad():
-        outs = eagle.eagle_unrolled_forward(head, hidden, ids, 3)
+        outs = eagle_ttt.eagle_unrolled_forward(head, hidden, ids, 3)
         for t in (0, 3, 6):
             cache = head.new_cache()
             own = head(hidden[:, : t + 1], ids[:, 1: t + 2], past_key_values=cache)[:, -1:]
@@ -286,8 +286,8 @@ def test_eagle_padding_does_not_leak_into_valid_positions():
     ids2, hidden2 = ids.clone(), hidden.clone()
     ids2[0, 6:], hidden2[0, 6:] = 0, 5.0
     with torch.no_grad():
-        a = eagle.eagle_unrolled_forward(head, hidden, ids, 2, attention_mask=pad)
-        b = eagle.eagle_unrolled_forward(head, hidden2, ids2, 2, attention_mask=pad)
+        a = eagle_ttt.eagle_unrolled_forward(head, hidden, ids, 2, attention_mask=pad)
+        b = eagle_ttt.eagle_unrolled_forward(head, hidden2, ids2, 2, attention_mask=pad)
     assert torch.allclose(a[0][0, :5], b[0][0, :5], atol=1e-5)  # step 1 valid: t + 1 <= 5
     assert torch.allclose(a[1][0, :4], b[1][0, :4], atol=1e-5)  # step 2 valid: t + 2 <= 5
 
@@ -347,19 +347,20 @@ def test_eagle_fused_layers_noise_and_errors():
     ids = _ids()
     hidden, layers = _hidden(target, ids, layers=True)
     loss_mask = torch.ones(B, T, dtype=torch.bool)
-    out = eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers,
+    out = eagle_ttt.distill_targets(head, ids, hidden, loss_mask, layers=layers,
                                 layer_ids=[0, 1, 2])
     assert [o.draft_logits.shape for o in out] == [(1, B * (T - 2), V), (1, B * (T - 3), V)]
     assert out[1].draft_hidden.shape == (1, B * (T - 3), 32)
     _check_packed(out[1], [(b, t) for b in range(B) for t in range(T - 3)], 2, ids, hidden)
-    again = eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers, layer_ids=[0, 1, 2])
+    again = eagle_ttt.distill_targets(head, ids, hidden, loss_mask, layers=layers,
+                                      layer_ids=[0, 1, 2])
     assert not torch.allclose(out[0].draft_hidden, again[0].draft_hidden)  # training noise
     head.eval()
-    e1 = eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers, layer_ids=[0, 1, 2])
-    e2 = eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers, layer_ids=[0, 1, 2])
+    e1 = eagle_ttt.distill_targets(head, ids, hidden, loss_mask, layers=layers, layer_ids=[0, 1, 2])
+    e2 = eagle_ttt.distill_targets(head, ids, hidden, loss_mask, layers=layers, layer_ids=[0, 1, 2])
     assert torch.equal(e1[0].draft_hidden, e2[0].draft_hidden)
     with pytest.raises(ValueError, match="not in the feature cache"):
-        eagle.distill_targets(head, ids, hidden, loss_mask, layers=layers[:, :2],
+        eagle_ttt.distill_targets(head, ids, hidden, loss_mask, layers=layers[:, :2],
                               layer_ids=[0, 1])
     with pytest.raises(ValueError, match="features have width"):
         head(torch.zeros(B, T, 64), ids)
@@ -409,7 +410,7 @@ def _family(kind: str, target: LlamaForCausalLM):
         return build_draft_lm(cfg, target), draft_lm.distill_targets
     if kind == "medusa":
         return build_medusa(MedusaConfig(num_heads=2), target), medusa.distill_targets
-    return build_eagle(EagleConfig(ttt_steps=2), target), eagle.distill_targets
+    return build_eagle(EagleConfig(ttt_steps=2), target), eagle_ttt.distill_targets
 
 
 @pytest.mark.parametrize("kind", ["lm", "medusa", "eagle"])
@@ -463,7 +464,7 @@ def test_families_on_the_real_target(real_target):
     with torch.no_grad():
         # position 1 counts 7 of the 8 tokens for the draft LM, 6 for Medusa and EAGLE
         for fn, m, n in ((draft_lm.distill_targets, draft, 7), (medusa.distill_targets, heads, 6),
-                         (eagle.distill_targets, head, 6)):
+                         (eagle_ttt.distill_targets, head, 6)):
             out = fn(m, ids, hidden, loss_mask)
             assert out[0].draft_logits.shape == (1, n, vocab)
         full = head(hidden, ids)
@@ -490,11 +491,12 @@ def test_targets_are_the_counted_rows_of_the_full_forward():
             "lm": [draft(input_ids=ids, attention_mask=attn).logits],
             "medusa": [heads.head_logits(hidden, i) for i in range(2)],
             "eagle": [head.compute_logits(o) for o in
-                      eagle.eagle_unrolled_forward(head, hidden, ids, 2, attn)],
+                      eagle_ttt.eagle_unrolled_forward(head, hidden, ids, 2, attn)],
         }
         got = {"lm": draft_lm.distill_targets(draft, ids, hidden, loss_mask, attention_mask=attn),
                "medusa": medusa.distill_targets(heads, ids, hidden, loss_mask, attention_mask=attn),
-               "eagle": eagle.distill_targets(head, ids, hidden, loss_mask, attention_mask=attn)}
+               "eagle": eagle_ttt.distill_targets(head, ids, hidden, loss_mask,
+                                                  attention_mask=attn)}
     shifts = {"lm": [0], "medusa": [1, 2], "eagle": [1, 2]}
     for kind, positions in got.items():
         assert len(positions) == len(shifts[kind]), kind

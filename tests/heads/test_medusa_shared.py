@@ -11,8 +11,8 @@ import torch
 from conftest import make_tiny_target
 from safetensors.torch import load_file
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers_medusa import MedusaProposer
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.proposers_medusa import MedusaProposer
 from draftsmith.heads import medusa
 from draftsmith.heads.family import WEIGHTS, get_family
 from draftsmith.heads.medusa import MedusaConfig, build_medusa

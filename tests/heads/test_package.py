@@ -206,6 +206,7 @@ def test_failed_save_leaves_the_old_package(tmp_path, monkeypatch):
     torch.testing.assert_close(load_package(out).module(hidden), heads(hidden), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_process_killed_mid_write_leaves_old_package_or_none(tmp_path):
     """A hard kill (no cleanup) while the new package is half written."""
     target = make_tiny_target()

@@ -87,6 +87,7 @@ def test_hf_export_is_an_assistant_model_and_round_trips(lm_package, tmp_path):
     assert back.identity == load_package(pkg, target=target).identity == target.identity
 
 
+@pytest.mark.slow
 def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path, monkeypatch):
     """format=gguf: transformers' own GGUF reader (which undoes llama.cpp's q/k RoPE row order)
     gives the draft's logits and q/k weights back; the tokenizer is the target GGUF's. Twin: the
@@ -462,7 +463,7 @@ def test_eagle3_exports_refuse_what_engines_would_compute_differently(tmp_path):
 def test_trained_eagle1_head_exports_and_engines_match_it(tmp_path):
     from safetensors.torch import load_file
 
-    from draftsmith.heads.eagle import distill_targets
+    from draftsmith.heads.eagle_ttt import distill_targets
     torch.manual_seed(0)
     target = make_tiny_target()
     tc = target.model.config
@@ -641,6 +642,7 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     assert (tmp_path / f"gone.old-{dead}").is_dir() and "kept (move it back with" in caplog.text
 
 
+@pytest.mark.slow
 def test_command_line(lm_package, tmp_path):
     _, _, pkg = lm_package
     out = tmp_path / "cli"
@@ -653,8 +655,8 @@ def test_command_line(lm_package, tmp_path):
 
 
 def test_medusa_export_round_trip_gives_identical_greedy_decoding(tmp_path):
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.proposers_medusa import MedusaProposer
+    from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoding.proposers_medusa import MedusaProposer
 
     target = make_tiny_target()
     cfg = MedusaConfig(num_heads=3, num_layers=1)

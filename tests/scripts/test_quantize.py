@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import draft_package
 
-from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.draft import build_proposer, load_draft, settle
 from draftsmith.heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
 from draftsmith.heads.quantize import Int4Linear, Int8Linear

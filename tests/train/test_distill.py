@@ -38,6 +38,7 @@ def warm_cache(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lm", "medusa", "eagle"])
 def test_each_family_learns(kind, warm_cache, tmp_path):
     out = tmp_path / kind
@@ -90,6 +91,7 @@ def test_token_frequency_script_recounts_what_training_wrote(warm_cache, tmp_pat
         load_package(pkg)  # the manifest entry was updated with it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_init_from_continues_from_a_package(kind, warm_cache, tmp_path):
     first = _run_inprocess(TINY + [f"draft={kind}", "train.max_steps=6", "train.eval_every=6",
@@ -162,6 +164,7 @@ def test_sigkill_then_resume_equals_uninterrupted(warm_cache, tmp_path):
     _assert_same(_weights(run), _weights(ref), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["resume", "no-op resume", "wrong step"])
 def test_resume_check_catches_a_run_that_did_not_resume(variant, warm_cache, tmp_path,
                                                         monkeypatch, caplog):
@@ -362,6 +365,7 @@ def test_bad_target_dtype_is_refused_naming_the_choices(tmp_path):
         validate_config(_compose(TINY + ["target.dtype=fp8", f"out_dir={tmp_path}"]))
 
 
+@pytest.mark.slow
 def test_distill_restarts_itself_with_the_tuned_allocator(tmp_path):
     """`python train/distill.py` re-executes once with glibc's mmap/trim settings (logged as
     malloc=tuned); DRAFTSMITH_MALLOC=off keeps the default allocator."""

@@ -224,8 +224,9 @@ def test_acceptance_sums_from_logits():
 
 
 def test_tvd_equals_the_rejection_rate_of_the_decoders_verifier():
-    """TVD loss = 1 - the acceptance rate that eval.verify actually realises (K = 1 chains)."""
-    from draftsmith.eval.verify import verify_chain_batch
+    """TVD loss = 1 - the acceptance rate that eval.decoding.verify actually realises (K = 1
+    chains)."""
+    from draftsmith.eval.decoding.verify import verify_chain_batch
 
     torch.manual_seed(0)
     zp, zq = torch.randn(1, 1, 12) * 2, torch.randn(1, 1, 12) * 2

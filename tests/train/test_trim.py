@@ -36,6 +36,7 @@ def run(limit: float) -> tuple[bool, int, int]:
     return out[0] == "True", int(out[1]), int(out[2])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
 def test_over_the_limit_freed_pages_go_back():
     trimmed, before, after = run(0.0)  # any resident memory is over a zero limit
@@ -43,6 +44,7 @@ def test_over_the_limit_freed_pages_go_back():
     assert before - after > 100e6  # most of the 20 freed 8 MB blocks
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
 def test_under_the_limit_freed_pages_stay():
     """The twin: below the limit nothing is handed back (the tuned heap keeps its blocks)."""

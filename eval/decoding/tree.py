@@ -1,12 +1,13 @@
 """The EAGLE-2 dynamic draft tree's bookkeeping, shared by the EAGLE head and the draft LM
-(:mod:`eval.proposers`, :mod:`eval.proposers_eagle`); the drafter's forward stays with them."""
+(:mod:`eval.decoding.proposers`, :mod:`eval.decoding.proposers_eagle`); the drafter's forward
+stays with them."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
 
-from draftsmith.eval.proposal import Proposal, Sampling
+from draftsmith.eval.decoding.proposal import Proposal, Sampling
 
 # ----- the EAGLE-2 dynamic draft tree (used by the EAGLE head and the draft LM) ---------------
 # Drafting a tree of depth D: the root's k candidate tokens are depth-1 nodes; at each further
@@ -22,8 +23,8 @@ from draftsmith.eval.proposal import Proposal, Sampling
 # * sampling with ``draw="sample"``: k tokens drawn *without replacement* from the warped draft
 #   distribution q (Gumbel-top-k: the top k of log q + Gumbel noise, in that order, are sequential
 #   draws). Sibling i was drawn from q with siblings 0..i-1 removed and renormalised, and that is
-#   the q it is verified with (recursive rejection sampling, eval/verify.py). A calibrated draft
-#   then has its first child accepted with probability sum(min(p, q)) instead of p(top-1): at
+#   the q it is verified with (recursive rejection sampling, eval/decoding/verify.py). A calibrated
+#   draft then has its first child accepted with probability sum(min(p, q)) instead of p(top-1): at
 #   T = 1 that is most of the gain. Siblings must be verified in draw order and a kept sibling's
 #   earlier siblings are kept too (dropping one would change the later ones' q).
 TREE_DRAWS = ("topk", "sample")

@@ -1,8 +1,8 @@
 """The speculative decoding loop: one loop for every proposer, plain decoding included.
 
 Each step: (1) the proposer drafts a chain or tree after the committed tokens; (2) the target
-scores the pending token and all drafts in one forward and :mod:`eval.verify` accepts a prefix
-(chain) or root path (tree) losslessly and draws the next token; (3) accepted tokens are
+scores the pending token and all drafts in one forward and :mod:`eval.decoding.verify` accepts a
+prefix (chain) or root path (tree) losslessly and draws the next token; (3) accepted tokens are
 committed under the stop rules; (4) the target's and the proposer's caches drop the rejected
 drafts; (5) the K controller adapts the draft length or falls back to plain decoding.
 
@@ -19,11 +19,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from draftsmith.eval.proposal import DecodeContext, Proposal, Sampling
-from draftsmith.eval.proposers import Proposer
-from draftsmith.eval.stats import DecodeStats, KController
-from draftsmith.eval.target_model import Target, TargetOutput
-from draftsmith.eval.verify import verify_chain, verify_greedy, verify_tree, verify_tree_typical
+from draftsmith.eval.decoding.proposal import DecodeContext, Proposal, Sampling
+from draftsmith.eval.decoding.proposers import Proposer
+from draftsmith.eval.decoding.stats import DecodeStats, KController
+from draftsmith.eval.decoding.target_model import Target, TargetOutput
+from draftsmith.eval.decoding.verify import (
+    verify_chain,
+    verify_greedy,
+    verify_tree,
+    verify_tree_typical,
+)
 
 ACCEPTANCE_MODES = ("lossless", "typical")
 
@@ -58,12 +63,12 @@ class _Stopper:
 
 
 class SpeculativeDecoder:
-    """Speculative decoding with any :class:`~eval.proposers.Proposer` (batch size one).
+    """Speculative decoding with any :class:`~eval.decoding.proposers.Proposer` (batch size one).
 
     Args:
-        target: a :class:`~eval.target_model.Target` or a HF causal LM (wrapped, with the layers
-            the proposer needs).
-        proposer: the draft; :class:`~eval.proposers.PlainProposer` gives plain decoding.
+        target: a :class:`~eval.decoding.target_model.Target` or a HF causal LM (wrapped, with
+            the layers the proposer needs).
+        proposer: the draft; :class:`~eval.decoding.proposers.PlainProposer` gives plain decoding.
         k: initial draft length (chains) or tree depth.
         k_max: largest adaptive K (default ``2 * k``).
         adaptive: adapt K from recent acceptance and measured costs (chains only).

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.eval.proposal import DecodeContext, Proposal
-from draftsmith.eval.proposers import Proposer
-from draftsmith.eval.target_model import TargetOutput
+from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
+from draftsmith.eval.decoding.proposers import Proposer
+from draftsmith.eval.decoding.target_model import TargetOutput
 
 
 class DFlashProposer(Proposer):
@@ -62,10 +62,6 @@ class DFlashProposer(Proposer):
         self.device = next(drafter.parameters()).device
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.n_ctx = 0  # context positions in the cache: those of the committed tokens
-
-    def batched(self) -> object:
-        raise ValueError("batched decoding (batch_size > 1) does not run dflash drafts yet: "
-                         "decode with batch_size=1")
 
     # ----- the context cache -------------------------------------------------------------------
     @torch.inference_mode()

@@ -18,7 +18,7 @@ Lossless rules implemented here:
   acceptance probability is ``r(x_c)`` and the residual is ``r`` with ``x_c`` removed, which is
   exactly lossless for any deterministic choice of candidates. Children sampled i.i.d. from one
   ``q`` (with replacement) pass that same ``q`` for every sibling; children drawn *without*
-  replacement (the dynamic tree when sampling, ``eval.proposers.DynamicTree``) pass, for sibling
+  replacement (the dynamic tree when sampling, ``eval.decoding.tree.DynamicTree``) pass, for sibling
   ``i``, ``q`` without siblings ``0..i-1``, renormalised, and are tried in draw order. Both are
   lossless: each sibling is one rejection-sampling step of the current residual with the
   distribution that sibling was actually drawn from.

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.eval.proposal import DecodeContext, Proposal
-from draftsmith.eval.proposers import Proposer, fit_vocab
-from draftsmith.eval.target_model import TargetOutput
+from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
+from draftsmith.eval.decoding.proposers import Proposer, fit_vocab
+from draftsmith.eval.decoding.target_model import TargetOutput
 
 
 def medusa_choices(branching: Sequence[int]) -> list[tuple[int, ...]]:

@@ -1,9 +1,10 @@
-"""Batched drafters for :mod:`eval.batch`: the draft LM's and the EAGLE head's chains for every
-row of a batch at once, and the EAGLE head's dynamic trees (one tree per row).
+"""Batched drafters for :mod:`eval.decoding.batch`: the draft LM's and the EAGLE head's chains
+for every row of a batch at once, and the EAGLE head's dynamic trees (one tree per row).
 
 Each is built from a batch-one proposer (its weights and draft vocabulary) and keeps its own
-:class:`~eval.slots.SlotCache` with each row's committed tokens; drafted slots are dropped after
-every verification, and what each row committed is fed at its next proposal.
+:class:`~eval.decoding.slots.SlotCache` with each row's committed tokens; drafted slots are
+dropped after every verification, and what each row committed is fed at its next proposal.
+:func:`batch_drafter_for` picks the drafter for a proposer (the proposers do not know these).
 """
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from draftsmith.eval.proposal import Proposal, Sampling
-from draftsmith.eval.proposers import DraftLMProposer, Proposer, fit_vocab
-from draftsmith.eval.proposers_eagle import EagleProposer
-from draftsmith.eval.slots import SlotCache, last_valid, pad_rows
-from draftsmith.eval.target_model import cache_kwarg, native_gqa
-from draftsmith.eval.tree import DynamicTree
+from draftsmith.eval.decoding.proposal import Proposal, Sampling
+from draftsmith.eval.decoding.proposers import (
+    DraftLMProposer,
+    PlainProposer,
+    Proposer,
+    fit_vocab,
+)
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.slots import SlotCache, last_valid, pad_rows
+from draftsmith.eval.decoding.target_model import cache_kwarg, native_gqa
+from draftsmith.eval.decoding.tree import DynamicTree
 
 
 class BatchDrafter(ABC):
@@ -74,8 +80,9 @@ class BatchDrafter(ABC):
 
 
 class BatchDraftLM(BatchDrafter):
-    """The draft LM of a :class:`~eval.proposers.DraftLMProposer`, batched: its cache holds each
-    row's committed tokens but the last few (``missing``), fed at the next proposal."""
+    """The draft LM of a :class:`~eval.decoding.proposers.DraftLMProposer`, batched: its cache
+    holds each row's committed tokens but the last few (``missing``), fed at the next proposal.
+    """
 
     def __init__(self, proposer: DraftLMProposer) -> None:
         super().__init__(proposer)
@@ -122,8 +129,8 @@ class BatchDraftLM(BatchDrafter):
 
 
 class BatchEagle(BatchDrafter):
-    """The head of an :class:`~eval.proposers_eagle.EagleProposer`, batched: its cache holds the
-    (true feature, next token) pairs of each row's committed tokens; pairs from the last
+    """The head of an :class:`~eval.decoding.proposers_eagle.EagleProposer`, batched: its cache
+    holds the (true feature, next token) pairs of each row's committed tokens; pairs from the last
     verification wait in ``pending`` until the next proposal feeds them."""
 
     def __init__(self, proposer: EagleProposer) -> None:
@@ -181,8 +188,8 @@ class BatchEagle(BatchDrafter):
     def propose_tree(self, depths: list[int], sampling: Sampling,
                      generator: torch.Generator | None) -> list[Proposal]:
         """An EAGLE-2 dynamic tree of depth ``depths[b]`` per row, built as batch one builds it
-        (:class:`~eval.tree.DynamicTree`, ``EagleProposer._propose_tree``): each further depth
-        feeds every row's best frontier nodes in one ``(B, topk)`` block, a node seeing its
+        (:class:`~eval.decoding.tree.DynamicTree`, ``EagleProposer._propose_tree``): each further
+        depth feeds every row's best frontier nodes in one ``(B, topk)`` block, a node seeing its
         row's committed pairs, its fed ancestors and itself; a row of a lesser depth proposes
         from its tree's nodes down to that depth."""
         p = self.proposer
@@ -232,3 +239,26 @@ class BatchEagle(BatchDrafter):
     def select(self, rows: Tensor) -> None:
         self.slots.select(rows)
         self.pending = [self.pending[i] for i in rows.tolist()]
+
+
+def batch_drafter_for(proposer: Proposer) -> BatchDrafter | None:
+    """The batched drafter that runs ``proposer``'s draft for every row (None: plain decoding).
+
+    The one place that says which proposers batch: the draft LM's chains and the EAGLE head's
+    chains and trees (a proposer knows nothing of its batched twin).
+
+    Raises:
+        ValueError: no batched drafter runs this proposer, or not its trees.
+    """
+    if isinstance(proposer, PlainProposer):
+        return None
+    if isinstance(proposer, EagleProposer):
+        return BatchEagle(proposer)
+    if isinstance(proposer, DraftLMProposer):
+        if proposer.tree:
+            raise ValueError(f"batched decoding drafts trees with the EAGLE head only: use "
+                             f"tree=chain for the {proposer.kind!r} draft with batch_size > 1")
+        return BatchDraftLM(proposer)
+    raise ValueError(f"no batched drafter for the {proposer.kind!r} proposer: batch_size > 1 "
+                     "runs the draft LM, the EAGLE head or plain decoding; decode it with "
+                     "batch_size=1")

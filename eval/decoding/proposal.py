@@ -1,6 +1,6 @@
 """What passes between the decoder and a proposer: the sampling settings both sides warp with,
 the context a proposer drafts after, and the drafted tokens (a chain or a tree) with the
-distributions they were drawn from. The proposers themselves are in :mod:`eval.proposers`.
+distributions they were drawn from. The proposers themselves are in :mod:`eval.decoding.proposers`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.eval.verify import warp
+from draftsmith.eval.decoding.verify import warp
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from draftsmith.eval.cost import Costs, best_k, expected_tokens_constant, speedup
+from draftsmith.eval.decoding.cost import Costs, best_k, expected_tokens_constant, speedup
 
 
 @dataclass
@@ -122,7 +122,7 @@ class KController:
     * **Adaptive K** (chains): with ``a`` the Laplace-smoothed acceptance over the last ``window``
       speculative steps, per-token draft cost ``t_d`` and a linear fit of verify time against the
       number of fed tokens (``t_verify(K)`` feeds ``K + 1``), pick the K of the highest
-      :func:`eval.cost.speedup` with constant acceptance ``a``.
+      :func:`eval.decoding.cost.speedup` with constant acceptance ``a``.
     * **Fallback**: a one-sided test on the tokens per speculative step over the last
       ``fallback_window`` steps. With ``m`` their mean, ``s^2`` their variance pooled with a
       prior of ``prior_steps`` pseudo-steps of variance ``prior_var`` (so that a short streak

@@ -15,10 +15,11 @@ target. The protocol (all token ids are *target* vocabulary ids):
    state (KV cache, features) back to the committed sequence.
 
 This file holds the interface and the families that need no target features (plain, prompt
-lookup, draft LM); EAGLE lives in :mod:`eval.proposers_eagle`, Medusa in
-:mod:`eval.proposers_medusa`, what passes between decoder and proposer (``Sampling``,
-``DecodeContext``, ``Proposal``) in :mod:`eval.proposal` and the dynamic tree both EAGLE and
-the draft LM draft with in :mod:`eval.tree`.
+lookup, draft LM); EAGLE lives in :mod:`eval.decoding.proposers_eagle`, Medusa in
+:mod:`eval.decoding.proposers_medusa`, what passes between decoder and proposer (``Sampling``,
+``DecodeContext``, ``Proposal``) in :mod:`eval.decoding.proposal` and the dynamic tree both EAGLE
+and the draft LM draft with in :mod:`eval.decoding.tree`. A batch of prompts runs a proposer's
+draft through the batched drafter :func:`eval.decoding.batch_drafters.batch_drafter_for` picks.
 """
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from draftsmith.eval.proposal import DecodeContext, Proposal
-from draftsmith.eval.target_model import (
+from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
+from draftsmith.eval.decoding.target_model import (
     TargetOutput,
     cache_kwarg,
     layer_masks,
     native_gqa,
     new_cache,
 )
-from draftsmith.eval.tree import DynamicTree
+from draftsmith.eval.decoding.tree import DynamicTree
 
 
 class Proposer:
@@ -67,26 +68,9 @@ class Proposer:
                target_out: TargetOutput) -> None:
         """Roll the proposer's state forward to the committed sequence."""
 
-    def batched(self) -> Any:
-        """The batched drafter of :mod:`eval.batch` for this proposer (None: plain decoding).
-
-        Raises:
-            ValueError: this proposer has no batched drafter (or drafts trees).
-        """
-        raise ValueError(f"no batched drafter for the {self.kind!r} proposer: batch_size > 1 "
-                         "runs the draft LM, the EAGLE head or plain decoding")
-
-    def _no_batched_trees(self) -> None:
-        if getattr(self, "tree", False):
-            raise ValueError(f"batched decoding drafts trees with the EAGLE head only: use "
-                             f"tree=chain for the {self.kind!r} draft with batch_size > 1")
-
 
 class PlainProposer(Proposer):
     """K = 0: plain autoregressive decoding through the same loop."""
-
-    def batched(self) -> None:
-        return None
 
 
 class PromptLookupProposer(Proposer):
@@ -202,7 +186,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
             these rows of the LM head are computed, and ``q`` is zero elsewhere (lossless, as any
             ``q``). None drafts over the whole vocabulary.
         tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
-            (:data:`eval.tree.TREE_DRAWS`).
+            (:data:`eval.decoding.tree.TREE_DRAWS`).
     """
 
     kind = "lm"
@@ -235,12 +219,6 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
 
     def _cached(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
-
-    def batched(self) -> Any:
-        from draftsmith.eval.batch_drafters import BatchDraftLM
-
-        self._no_batched_trees()
-        return BatchDraftLM(self)
 
     def _forward(self, ids: Sequence[int], last_only: bool = False, **kwargs) -> torch.Tensor:
         """Feed ``ids`` after the cache; ``(T', V')`` logits over the drafted ids (the target

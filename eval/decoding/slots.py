@@ -1,4 +1,4 @@
-"""KV caches for a batch whose rows accept different numbers of tokens (eval/batch.py).
+"""KV caches for a batch whose rows accept different numbers of tokens (eval/decoding/batch.py).
 
 Each row owns a set of *valid slots* of the cache: a fed block appends slots, rejected drafts
 are marked invalid in their row only, attention masks let a token see its own row's valid
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from draftsmith.eval.target_model import new_cache
+from draftsmith.eval.decoding.target_model import new_cache
 
 LAYOUTS = ("padded", "packed")
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftsmith.eval.proposal import DecodeContext, Proposal
-from draftsmith.eval.proposers import DraftVocabMixin, Proposer, head_rows
-from draftsmith.eval.target_model import TargetOutput
-from draftsmith.eval.tree import DynamicTree
+from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
+from draftsmith.eval.decoding.proposers import DraftVocabMixin, Proposer, head_rows
+from draftsmith.eval.decoding.target_model import TargetOutput
+from draftsmith.eval.decoding.tree import DynamicTree
 
 
 class EagleProposer(DraftVocabMixin, Proposer):
@@ -31,8 +31,9 @@ class EagleProposer(DraftVocabMixin, Proposer):
             ``cfg.fuse_layers``.
         vocab_size: the target's vocabulary size.
         tree: ``False`` drafts a chain sampled from the warped draft distribution (``q`` rows are
-            returned); ``True`` builds the EAGLE-2 dynamic tree (:class:`~eval.tree.DynamicTree`):
-            top-k choices when greedy, draws without replacement when sampling.
+            returned); ``True`` builds the EAGLE-2 dynamic tree
+            (:class:`~eval.decoding.tree.DynamicTree`): top-k choices when greedy, draws without
+            replacement when sampling.
         topk: branching factor of the dynamic tree (children per expanded node and nodes expanded
             per depth).
         total_tokens: nodes kept after the final rerank of the dynamic tree.
@@ -40,7 +41,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
             full-vocabulary head: only these rows of the LM head are computed and ``q`` is zero
             elsewhere (lossless, as any ``q``). None: the head's own vocabulary.
         tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
-            (:data:`~eval.tree.TREE_DRAWS`).
+            (:data:`~eval.decoding.tree.TREE_DRAWS`).
     """
 
     kind = "eagle"
@@ -76,11 +77,6 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self.n_true = 0
         self._pending_feats: list[torch.Tensor] = []
         self._pending_tokens: list[int] = []
-
-    def batched(self) -> object:
-        from draftsmith.eval.batch_drafters import BatchEagle
-
-        return BatchEagle(self)
 
     def _features(self, out: TargetOutput) -> torch.Tensor:
         """``(T, kH)`` features of the target output rows (final hidden, or fused layers)."""
@@ -161,8 +157,9 @@ class EagleProposer(DraftVocabMixin, Proposer):
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int,
                       ctx: DecodeContext) -> Proposal:
-        """EAGLE-2 (:class:`~eval.tree.DynamicTree`): an expanded node is fed as (its parent's
-        head output, its token), so its children come from the head's prediction after it."""
+        """EAGLE-2 (:class:`~eval.decoding.tree.DynamicTree`): an expanded node is fed as (its
+        parent's head output, its token), so its children come from the head's prediction after
+        it."""
         tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
                            self._scatter_q, self.tree_draw)
         hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)

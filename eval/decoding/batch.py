@@ -1,23 +1,23 @@
 """Batched speculative decoding: the rows of a batch share every target verification.
 
-Each step drafts a chain for every row at once (the draft LM, or the EAGLE head), feeds the
-target one ``(B, K + 1)`` block (each row's pending token and its drafts), accepts a prefix per
-row with the same lossless rule as batch size one (:func:`eval.verify.verify_chain_batch`, one
-accepted length per row), and commits each row under its own stop rules; rows that finish
-leave the batch. ``K = 0`` is plain batched decoding through the same loop.
+Each step drafts a chain for every row at once (the draft LM, or the EAGLE head), feeds the target
+one ``(B, K + 1)`` block (each row's pending token and its drafts), accepts a prefix per row with
+the same lossless rule as batch size one (:func:`eval.decoding.verify.verify_chain_batch`, one
+accepted length per row), and commits each row under its own stop rules; rows that finish leave the
+batch. ``K = 0`` is plain batched decoding through the same loop.
 
 An EAGLE head with ``tree=True`` drafts an EAGLE-2 dynamic tree per row instead (each depth of
 every row's tree in one ``(B, topk)`` head forward); the target verifies each row's pending
 token and tree in one ``(B, N + 1)`` block under per-row tree masks (padded layout), each row is
 verified by the batch-one tree rules, and both caches keep each row's accepted path only.
 
-Rows accept different numbers of tokens, so their caches grow apart: every model keeps one
-KV cache for the whole batch in which each row owns a set of valid slots (:mod:`eval.slots`).
-The target's cache is ``padded`` (a cache row per batch row, blocks padded to the longest row)
-or ``packed`` (all rows in one cache row, only real tokens fed); the drafters' are padded.
+Rows accept different numbers of tokens, so their caches grow apart: every model keeps one KV cache
+for the whole batch in which each row owns a set of valid slots (:mod:`eval.decoding.slots`). The
+target's cache is ``padded`` (a cache row per batch row, blocks padded to the longest row) or
+``packed`` (all rows in one cache row, only real tokens fed); the drafters' are padded.
 
-Per-row K: each row has its own :class:`~eval.stats.KController` (fixed K, fallback on), so a
-row whose drafts keep failing stops speculating (its slots of the block are padding) while the
+Per-row K: each row has its own :class:`~eval.decoding.stats.KController` (fixed K, fallback on), so
+a row whose drafts keep failing stops speculating (its slots of the block are padding) while the
 others go on. The block is as wide as the longest row's chain.
 """
 from __future__ import annotations
@@ -28,30 +28,31 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from draftsmith.eval.decoder import DecodeResult, _Stopper
-from draftsmith.eval.proposal import Proposal, Sampling
-from draftsmith.eval.proposers import Proposer
-from draftsmith.eval.slots import check_layout, last_valid, pad_rows, slot_cache
-from draftsmith.eval.stats import DecodeStats, KController
-from draftsmith.eval.target_model import (
+from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
+from draftsmith.eval.decoding.decoder import DecodeResult, _Stopper
+from draftsmith.eval.decoding.proposal import Proposal, Sampling
+from draftsmith.eval.decoding.proposers import Proposer
+from draftsmith.eval.decoding.slots import check_layout, last_valid, pad_rows, slot_cache
+from draftsmith.eval.decoding.stats import DecodeStats, KController
+from draftsmith.eval.decoding.target_model import (
     cache_kwarg,
     native_gqa,
     sliding_window,
     target_logits,
     tree_ancestor_mask,
 )
-from draftsmith.eval.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
+from draftsmith.eval.decoding.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
 from draftsmith.heads.draft_config import text_config
 
 
 class BatchTarget:
-    """The target over a slot cache (:mod:`eval.slots`): feeds blocks, returns logits and
+    """The target over a slot cache (:mod:`eval.decoding.slots`): feeds blocks, returns logits and
     features.
 
     Args:
         model: the target causal LM (``model.model`` the decoder stack, ``model.lm_head``).
         layer_ids: hidden-state layers to return as well (fused EAGLE-3 features).
-        layout: the cache layout, ``padded`` or ``packed`` (:mod:`eval.slots`).
+        layout: the cache layout, ``padded`` or ``packed`` (:mod:`eval.decoding.slots`).
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] = (),
@@ -84,8 +85,9 @@ class BatchTarget:
         else:
             mask, pos = self.slots.open_tree(valid, tree[0], tree[1], self.slots.width)
         fed = self.slots.pack(ids, valid)
-        # native GQA as in eval.target_model, for multi-token blocks only: on one-token steps of
-        # a batch it measured slower than transformers' KV copy (115 vs 153 tokens/s, B = 16)
+        # native GQA as in eval.decoding.target_model, for multi-token blocks only: on one-token
+        # steps of a batch it measured slower than transformers' KV copy (115 vs 153 tokens/s,
+        # B = 16)
         with native_gqa(self.device.type == "cpu" and fed.shape[1] > 1):
             out = self.model.model(input_ids=fed, **{self._cache_kw: self.slots.cache},
                                    use_cache=True, position_ids=pos, attention_mask=mask,
@@ -104,12 +106,13 @@ class BatchDecoder:
 
     Args:
         target: the target causal LM.
-        proposer: the draft (a chain :class:`~eval.proposers.DraftLMProposer`, an
-            :class:`~eval.proposers_eagle.EagleProposer`, chain or tree), or a plain proposer.
+        proposer: the draft (a chain :class:`~eval.decoding.proposers.DraftLMProposer`, an
+            :class:`~eval.decoding.proposers_eagle.EagleProposer`, chain or tree), or a plain
+            proposer.
         k: draft length per step, the tree's depth for a tree (0 = plain batched decoding).
         fallback: per-row fallback to plain decoding (each row's own K controller).
-        layout: the target's cache layout (:data:`eval.slots.LAYOUTS`): ``packed`` feeds only
-            each row's real tokens (a fallen-back row adds one token to a verification),
+        layout: the target's cache layout (:data:`eval.decoding.slots.LAYOUTS`): ``packed`` feeds
+            only each row's real tokens (a fallen-back row adds one token to a verification),
             ``padded`` pads every row to the longest chain.
     """
 
@@ -117,7 +120,7 @@ class BatchDecoder:
                  fallback: bool = True, layout: str = "padded") -> None:
         if k < 0:
             raise ValueError(f"k must be >= 0 (0 = plain decoding), got {k}")
-        self.drafter = proposer.batched()
+        self.drafter = batch_drafter_for(proposer)
         self.k = k if self.drafter is not None else 0
         self.tree = bool(getattr(proposer, "tree", False)) and self.drafter is not None
         if self.tree and check_layout(layout) != "padded":
@@ -134,7 +137,8 @@ class BatchDecoder:
                  stop_sequences: Sequence[Sequence[int]] = (),
                  generator: torch.Generator | None = None,
                  seed: int | None = None) -> list[DecodeResult]:
-        """Decode every prompt; one :class:`~eval.decoder.DecodeResult` per prompt, in order.
+        """Decode every prompt; one :class:`~eval.decoding.decoder.DecodeResult` per prompt, in
+        order.
 
         Each row's ``wall_time_s`` runs from the start of the batch to the step it finished
         in; the batch's time is shared by its rows (``draft_time_s`` / ``verify_time_s`` of a
@@ -292,8 +296,8 @@ class BatchDecoder:
     def _verify_trees(logits: Tensor, props: list[Proposal], sizes: list[int],
                       sampling: Sampling, generator: torch.Generator | None) -> list[Verified]:
         """Each row's tree (its first ``sizes[b]`` nodes) verified by the batch-one rules
-        (:func:`~eval.verify.verify_greedy`, :func:`~eval.verify.verify_tree`) on its rows of
-        ``logits (B, N + 1, V)``."""
+        (:func:`~eval.decoding.verify.verify_greedy`, :func:`~eval.decoding.verify.verify_tree`) on
+        its rows of ``logits (B, N + 1, V)``."""
         best = logits.argmax(-1).cpu() if sampling.greedy else None
         out = []
         for i, (pr, m) in enumerate(zip(props, sizes)):
@@ -341,7 +345,7 @@ class BatchDecoder:
     def _verify(self, logits: Tensor, q: Tensor | None, drafts: Tensor, ks: Tensor,
                 sampling: Sampling, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
         """Accepted drafts per row (at most ``ks[b]``) and the next token, as
-        :func:`~eval.verify.verify_chain_batch` (greedy: argmax matching)."""
+        :func:`~eval.decoding.verify.verify_chain_batch` (greedy: argmax matching)."""
         k = drafts.shape[1]
         if sampling.greedy:
             best = logits.argmax(-1)  # (B, K+1)
