@@ -227,3 +227,42 @@ def test_ruff_is_clean():
     out = subprocess.run([ruff, "check", *PACKAGES, "tests"], cwd=REPO, capture_output=True,
                          text=True, check=False)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+def _unindexed(bench: Path) -> list[str]:
+    """The entries directly under ``bench`` that its README.md does not name as `entry`."""
+    index = (bench / "README.md").read_text()
+    return sorted(p.name for p in bench.iterdir()
+                  if p.name != "README.md" and not p.name.startswith(".")
+                  and f"`{p.name}" not in index)
+
+
+def test_bench_index_names_every_result():
+    missing = _unindexed(REPO / "bench")
+    assert not missing, f"bench/README.md does not index {missing}: add a row for each"
+
+
+def test_twin_an_unindexed_result_is_found(tmp_path):
+    (tmp_path / "README.md").write_text("| `kept/` | ... |\n")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "new_run.json").write_text("{}")
+    assert _unindexed(tmp_path) == ["new_run.json"]
+
+
+def _broken_links(readme: Path) -> list[str]:
+    """Relative markdown links in ``readme`` whose target does not exist."""
+    links = re.findall(r"\]\(([^)#\s]+)[^)]*\)", readme.read_text())
+    return sorted(u for u in links if "://" not in u and not (readme.parent / u).exists())
+
+
+def test_readme_links_point_at_files_that_exist():
+    for readme in (REPO / "README.md", REPO / "bench" / "README.md", REPO / "ARCHITECTURE.md"):
+        broken = _broken_links(readme)
+        assert not broken, f"{readme.name} links to missing files: {broken}"
+
+
+def test_twin_a_link_to_a_missing_file_is_found(tmp_path):
+    (tmp_path / "here.md").write_text("x")
+    readme = tmp_path / "README.md"
+    readme.write_text("[a](here.md) [b](gone/file.json) [c](https://example.org)")
+    assert _broken_links(readme) == ["gone/file.json"]
