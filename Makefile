@@ -35,8 +35,10 @@ RECIPE ?= eagle3-smollm2-135m
 release: $(STAMP)
 	$(BIN)/python scripts/release.py recipe=$(RECIPE) $(ARGS)
 
+# Two pytest-xdist workers (one torch thread each); tests that share a costly fixture run on one
+# worker (`xdist_group`); slow tests are handed out first (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --timeout 1200 --durations=30 $(ARGS)
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup --timeout 1200 --durations=30 $(ARGS)
 
 # The edit loop: no `slow` or `real` tests, two pytest-xdist workers (one torch thread each).
 test-fast: $(STAMP)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from draftsmith.data.attention import FORCE_GQA_ENV, native_gqa  # noqa: F401 (the target API)
+from draftsmith.data.cache_lock import make_once
 from draftsmith.data.chat_format import (  # noqa: F401 (the target API)
     PLAIN_CHAT_TEMPLATE,
     PLAIN_STOP_STRINGS,
@@ -410,9 +411,8 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, cache_dir: Path | None, name: str
     sha = sha256_file(gguf)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     out = root / sha[:16]
-    if not (out / IDENTITY_FILE).exists():
-        root.mkdir(parents=True, exist_ok=True)
-        convert_gguf(gguf, out, name, sha)
+    make_once(lambda: (out / IDENTITY_FILE).exists(), lambda: convert_gguf(gguf, out, name, sha),
+              root / f".{out.name}.lock")
     return _load_cached(out, dtype)
 
 
@@ -430,11 +430,14 @@ def _load_packaged(key: str, dtype: torch.dtype, cache_dir: str | Path | None) -
         return _load_gguf(pt.gguf(root), dtype, root, pt.name)
     sha = pt.gguf_sha256()  # known: a converted target is found without reading the GGUF
     out = root / sha[:16]
-    if not (out / IDENTITY_FILE).exists():
+
+    def convert() -> None:
         gguf = pt.gguf(root)
         log.info("converting the target %s%s from %s to fp32 safetensors in %s (once)",
                  PKG_PREFIX, pt.key, gguf, out)
         convert_gguf(gguf, out, pt.name, sha)
+
+    make_once(lambda: (out / IDENTITY_FILE).exists(), convert, root / f".{out.name}.lock")
     return _load_cached(out, dtype)
 
 

@@ -19,6 +19,10 @@ Writes ``<out_dir>/results.json`` and ``results.md`` (hardware, versions, date, 
 """
 from __future__ import annotations
 
+from draftsmith.train.malloc import MALLOC_SWITCH, TUNED_MALLOC, restart_as_command
+
+restart_as_command(__name__, "draftsmith-bench-train")  # the tuned allocator, before torch loads
+
 import json
 import os
 import re
@@ -37,7 +41,6 @@ from omegaconf import DictConfig, OmegaConf
 from draftsmith.data.dtype import matmul_rates
 from draftsmith.eval import CONF_DIR
 from draftsmith.eval.kstar import environment
-from draftsmith.train.runtime import MALLOC_SWITCH, TUNED_MALLOC, reexec_with_tuned_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_FILE = REPO / "conf" / "eval" / "bench_train.yaml"
@@ -257,7 +260,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:  # draftsmith-bench-train or python scripts/bench_train.py
-    reexec_with_tuned_malloc()
     main()
 
 

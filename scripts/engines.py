@@ -305,7 +305,11 @@ def write_markdown(rows: list[dict], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run(cfg: DictConfig) -> list[dict]:
+def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict]:
+    """Every export of ``cfg.drafts`` run in its engine beside our decoder -> the rows.
+
+    ``plain_runs`` keeps the engines' plain runs by job (engine, target, prompts, settings):
+    calls that share it decode plainly once per job (each plain run is an engine start-up)."""
     from draftsmith.data.target import load_target
     from draftsmith.eval import session
     from draftsmith.eval.draft import load_draft
@@ -317,6 +321,7 @@ def run(cfg: DictConfig) -> list[dict]:
     loaded = load_target(cfg.target_path or None)
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, int(cfg.limit))
     rows, plain = [], {}
+    plain_runs = {} if plain_runs is None else plain_runs
     root = (REPO / str(cfg.engines_dir)).resolve()
     with tempfile.TemporaryDirectory(prefix="engines-") as tmp:
         for d in drafts:
@@ -342,10 +347,16 @@ def run(cfg: DictConfig) -> list[dict]:
                 for where, target in engine_targets(engine, loaded, cfg, root):
                     key = f"{engine} {where}".strip()
                     if key not in plain:
-                        note(f"{key}: plain decoding")
                         job = engine_job(engine, cfg, target, records, {
                             "name": "plain", "speculative_config": None, "draft": None})
-                        plain[key] = run_engine(engine, python, job, int(cfg.timeout_s))
+                        ident = json.dumps([engine, job], sort_keys=True)
+                        if ident in plain_runs:
+                            note(f"{key}: plain decoding of an earlier call, the same job")
+                        else:
+                            note(f"{key}: plain decoding")
+                            plain_runs[ident] = run_engine(engine, python, job,
+                                                           int(cfg.timeout_s))
+                        plain[key] = plain_runs[ident]
                     note(f"{key}: {Path(d).name} as {fmt}")
                     rows.append({"draft": label, "engine_target": where or None,
                                  **compare(fmt, export, cfg, loaded, records, plain[key],

@@ -20,6 +20,13 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``slow`` and ``real`` tests first, each part in file order: on two workers the long
+    tests start early and the short ones fill in around them, instead of one long test running
+    alone at the end."""
+    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in ("slow", "real")))
 SHARED = REPO.parent / "shared"
 MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
 
@@ -218,3 +225,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if _prefetch is not None and _prefetch.poll() is None:
         os.killpg(_prefetch.pid, signal.SIGTERM)
         _prefetch.wait(timeout=60)
+
+
+# ----- the training tests that launch the recipe as separate processes ------------------------
+@pytest.fixture(scope="session")
+def one_process_reference(tmp_path_factory) -> Path:
+    """The output folder of the one-process parity run (``PARITY`` in tests/train/launching.py,
+    micro-batch 4), launched once per session with ``accelerate launch --config_file
+    conf/accelerate/single.yaml``: the weights that the DDP and ZeRO-2 runs, on one machine and
+    on two, must reproduce."""
+    from tests.train.launching import PARITY, launch
+
+    out = tmp_path_factory.mktemp("parity") / "one"
+    launch(["--config_file", "conf/accelerate/single.yaml"], out,
+           PARITY + ["train.micro_batch_size=4"], port=29621)
+    return out

@@ -12,6 +12,10 @@ metrics in ``train/``.
 """
 from __future__ import annotations
 
+from draftsmith.train.malloc import restart_as_command
+
+restart_as_command(__name__, "draftsmith-distill")  # the tuned allocator, before torch loads
+
 import contextlib
 import functools
 import json
@@ -55,7 +59,6 @@ from draftsmith.train.runtime import (
     own_batch_count,
     peer_lost,
     rank_placement,
-    reexec_with_tuned_malloc,
     trim_freed_memory,
 )
 from draftsmith.train.trainable import build_trainable
@@ -86,9 +89,8 @@ class DistillRecipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.accelerator = make_accelerator(cfg)
-        self.ranks = rank_placement(self.accelerator)  # where each rank runs (summary.json)
-        acc = self.accelerator
+        acc = self.accelerator = make_accelerator(cfg)
+        self.ranks = rank_placement(acc)  # where each rank runs (summary.json)
         self._check_ranks_agree_on_dtypes()
         torch.manual_seed(cfg.seed)
         if acc.is_main_process:
@@ -284,8 +286,7 @@ class DistillRecipe:
 
         model = self.draft.module
         model.eval()
-        acc = self.accelerator
-        sums = None
+        acc, sums = self.accelerator, None
         loader = make_epoch_loader(self.val_set, self.cfg.train.micro_batch_size, seed=0, epoch=0,
                                    shuffle=False, accelerator=acc, drop_last=False,
                                    own_batches=self._own_batches(self.val_set, False))
@@ -491,7 +492,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:  # draftsmith-distill or python train/distill.py: one process
-    reexec_with_tuned_malloc()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
 

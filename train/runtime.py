@@ -22,35 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
 
 from draftsmith.train.config import ConfigError
+from draftsmith.train.malloc import MALLOC_SWITCH
 
 log = logging.getLogger("draftsmith.distill")
-
-
-# glibc's malloc serves every block above 32 MiB with a fresh mmap and unmaps it on free, so each
-# vocabulary-wide (N, V) temporary of a distillation step (about 400 MB for 2,000 tokens x 49,152
-# ids) is page-faulted in anew: on a 2-core CPU that made the elementwise passes of the loss 3-10x
-# slower than the memory they read. Keeping freed blocks in the heap instead (no mmap, no trim)
-# took a quickstart training step from 1.71 s to 0.74 s (see README, "Training throughput").
-TUNED_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
-MALLOC_SWITCH = "DRAFTSMITH_MALLOC"  # "off": leave malloc alone; "tuned": already applied
-
-
-def reexec_with_tuned_malloc() -> None:
-    """Restart this process (same argv, same PID) with ``TUNED_MALLOC`` in its environment.
-
-    glibc reads these settings once at start-up, so a running process cannot apply them; the
-    training entry point calls this first. A no-op off Linux, when ``DRAFTSMITH_MALLOC=off`` (or
-    already ``tuned``), and when the variables are set already (the user's own values win).
-    """
-    if not sys.platform.startswith("linux") or os.environ.get(MALLOC_SWITCH) in ("off", "tuned"):
-        return
-    if any(k in os.environ for k in TUNED_MALLOC):
-        return
-    env = {**os.environ, **TUNED_MALLOC, MALLOC_SWITCH: "tuned"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
 
 RESIDENT_LIMIT = 0.5  # of physical memory: above it the tuned heap's free blocks are handed back
 _trims = {"count": 0}
@@ -60,8 +34,8 @@ def trim_freed_memory(limit_fraction: float = RESIDENT_LIMIT) -> bool:
     """Hand the heap's freed pages back to the kernel (glibc ``malloc_trim``) when this process
     holds more than ``limit_fraction`` of the machine's memory; True when it trimmed.
 
-    The tuned allocator (:func:`reexec_with_tuned_malloc`) keeps every freed block resident so
-    that (N, V) temporaries are not page-faulted in anew each step. With a large vocabulary and
+    The tuned allocator (train/malloc.py) keeps every freed block resident so that (N, V)
+    temporaries are not page-faulted in anew each step. With a large vocabulary and
     varying batch shapes those blocks fragment the heap and resident memory grows past what is
     live (Gemma 3's 262,144-id draft LM reached 24 GB, the kernel's OOM kill, for an 11.7 GiB
     estimate). Trimming returns the free pages only when memory is scarce, so small runs keep

@@ -211,21 +211,22 @@ def test_cli_exit_code_and_report(tiny_setup):
 # ----------------------------------------------------------------------------- real target
 @pytest.mark.real
 def test_real_target_every_standin_proposer_is_exact(real_target, tmp_path):
-    # one thread: on two shared cores a second thread mostly waits for the busy core; smaller
-    # trees than the defaults keep the test quick and still branch at every depth
-    res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=2",
+    # one thread: on two shared cores a second thread mostly waits for the busy core; one prompt
+    # per set and smaller trees than the defaults keep the test quick and still branch at every
+    # depth (bench/exactness*.json hold the wider runs)
+    res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=1",
                                    "max_new_tokens=32", "drafts=[]", "threads=1", "k=3",
                                    "standins.lm.num_layers=1", "tree_topk=3", "tree_size=12",
                                    "medusa_branching=[3,2,1]",
                                    f"out={tmp_path / 'exactness.json'}"], real_target)
     assert set(res["proposers"]) == STANDIN_NAMES
-    assert len(res["references"]) == 4
+    assert len(res["references"]) == 2
     assert all(0 < len(v) <= 32 for v in res["references"].values())
     for name, r in res["proposers"].items():
-        assert r["total"] == 4, name
+        assert r["total"] == 2, name
         assert r["non_ties"] == 0, (name, r["divergences"])
-        # README quotes "4/4 identical": in fp32 no output needed the tie rule
-        assert (r["identical"], r["ties"]) == (4, 0), (name, r["divergences"])
+        # in fp32 no output needs the tie rule
+        assert (r["identical"], r["ties"]) == (2, 0), (name, r["divergences"])
     # untrained drafts are rarely right; prompt lookup makes sure accepted drafts were rolled in
     assert res["proposers"]["lookup"]["acceptance_rate"] > 0
 

@@ -12,7 +12,7 @@ from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
 from draftsmith.heads.family import get_family
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.xdist_group("gemma")]  # one worker loads it
 NEW = 8
 
 
@@ -47,8 +47,14 @@ def test_base_model_gets_the_plain_format(gemma):
     assert "Hi" in text and text.rstrip().endswith(":")
 
 
+@pytest.fixture(scope="module")
+def references(gemma) -> list[tuple[list[int], list[int]]]:
+    """(prompt, Gemma's own greedy continuation) for each prompt, generated once."""
+    return [(p, _greedy(gemma.model, p)) for p in _prompts(gemma)]
+
+
 @pytest.mark.parametrize("kind", ["eagle", "lm", "medusa"])
-def test_every_family_decodes_exactly_on_gemma(gemma, kind):
+def test_every_family_decodes_exactly_on_gemma(gemma, references, kind):
     model = gemma.model
     family = get_family(kind)
     raw = {"eagle": {"layout": "eagle3", "fuse_layers": "auto", "draft_vocab_size": 4096},
@@ -67,6 +73,6 @@ def test_every_family_decodes_exactly_on_gemma(gemma, kind):
         else:
             prop = MedusaProposer(draft, vocab, medusa_choices((2, 2) if tree else (1, 1)))
         dec = SpeculativeDecoder(model, prop, k=2, adaptive=False, fallback=False)
-        for prompt in _prompts(gemma):
+        for prompt, reference in references:
             got = dec.generate(prompt, max_new_tokens=NEW, temperature=0.0)
-            assert got.output_ids == _greedy(model, prompt), (kind, tree, len(prompt))
+            assert got.output_ids == reference, (kind, tree, len(prompt))

@@ -19,15 +19,23 @@ REPO = Path(__file__).resolve().parents[2]
 RELEASE = REPO / "releases" / "eagle3-smollm2-135m"
 
 
+@pytest.fixture(scope="module")
+def plain_runs() -> dict:
+    """vLLM's plain runs, shared: both checks decode the same prompts plainly (one engine
+    start-up, about half a minute, instead of two)."""
+    return {}
+
+
 @pytest.mark.real
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm")  # one worker: the plain runs are shared
 @pytest.mark.engines("vllm", "speculators")
-def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path):
+def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path, plain_runs):
     cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
     cfg = OmegaConf.merge(cfg, {"drafts": [str(RELEASE)], "formats": ["eagle3", "speculators"],
                                 "limit": 3, "max_new_tokens": 32, "k": 2,
                                 "out": str(tmp_path / "engines.json")})
-    rows = engines.run(cfg)
+    rows = engines.run(cfg, plain_runs)
     got = {(r["format"], r["engine"]): r for r in rows}
     assert set(got) == {("eagle3", "vllm"), ("speculators", "vllm"),
                         ("speculators", "speculators")}, rows
@@ -50,15 +58,16 @@ DFLASH = REPO / "releases" / "dflash-smollm2-135m-preview"
 
 @pytest.mark.real
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm")  # one worker: the plain runs are shared
 @pytest.mark.engines("vllm")
-def test_the_dflash_drafter_runs_in_vllm_with_our_acceptance(tmp_path):
+def test_the_dflash_drafter_runs_in_vllm_with_our_acceptance(tmp_path, plain_runs):
     """The committed DFlash drafter (B = 8) as ``format=dflash``: vLLM-CPU loads it, its greedy
     output is vLLM's plain output and ours, and it accepts per slot what our decoder accepts."""
     cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
     cfg = OmegaConf.merge(cfg, {"drafts": [str(DFLASH)], "formats": ["dflash"], "limit": 3,
                                 "max_new_tokens": 32, "k": 7,
                                 "out": str(tmp_path / "engines.json")})
-    rows = engines.run(cfg)
+    rows = engines.run(cfg, plain_runs)
     assert [(r["format"], r["engine"]) for r in rows] == [("dflash", "vllm")], rows
     row = rows[0]
     assert row["loads"] and not row.get("error"), row.get("error")

@@ -19,6 +19,11 @@ CONF = REPO / "conf"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TINY = ["debug=tiny", "data=sharegpt_tiny", "data.num_conversations=24", "data.max_length=96",
         "logging=none"]
+# The data-parallel parity runs: the EAGLE head without feature noise, so the update is a
+# deterministic function of the data; the same global batch (4 sequences) everywhere. The
+# one-process reference (micro-batch 4) is launched once per session (conftest.py).
+PARITY = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=3",
+                 "train.eval_every=3", "train.save_every=3", "seed=1"]
 
 
 def compose_config(overrides: list[str]):

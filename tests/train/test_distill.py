@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.train.launching import (
+    PARITY,
     REPO,
     TINY,
 )
@@ -203,20 +204,15 @@ def test_resume_check_catches_a_run_that_did_not_resume(variant, warm_cache, tmp
 
 
 @pytest.mark.slow
-def test_ddp_and_zero2_match_one_process(warm_cache, tmp_path):
-    # Same global batch (4 sequences) everywhere; the EAGLE head without feature noise so the
-    # update is a deterministic function of the data.
-    common = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=3",
-                     "train.eval_every=3", "train.save_every=3", "seed=1"]
-    one = tmp_path / "one"
-    _launch(["--config_file", "conf/accelerate/single.yaml"], one,
-            common + ["train.micro_batch_size=4"], port=29621)
+@pytest.mark.xdist_group("parity")  # one worker: the one-process reference is shared
+def test_ddp_and_zero2_match_one_process(warm_cache, one_process_reference, tmp_path):
+    # PARITY: the same global batch (4 sequences) as the one-process reference (conftest.py)
     ddp = tmp_path / "ddp"
     _launch(["--config_file", "conf/accelerate/ddp.yaml"], ddp,
-            common + ["launcher=ddp", "train.micro_batch_size=2"], port=29622)
+            PARITY + ["launcher=ddp", "train.micro_batch_size=2"], port=29622)
     zero2 = tmp_path / "zero2"
     _launch(["--config_file", "conf/accelerate/deepspeed_zero2.yaml"], zero2,
-            common + ["launcher=deepspeed_zero2", "train.micro_batch_size=2"], port=29623)
+            PARITY + ["launcher=deepspeed_zero2", "train.micro_batch_size=2"], port=29623)
 
     s_ddp = json.loads((ddp / "summary.json").read_text())
     s_zero = json.loads((zero2 / "summary.json").read_text())
@@ -225,7 +221,7 @@ def test_ddp_and_zero2_match_one_process(warm_cache, tmp_path):
     for s in (s_ddp, s_zero):
         fp = s["rank_batch_fingerprints"]
         assert len(fp) == 2 and fp[0] != fp[1], f"ranks saw the same data: {fp}"
-    ref = _weights(one)
+    ref = _weights(one_process_reference)
     _assert_same(_weights(ddp), ref, atol=1e-5)
     _assert_same(_weights(zero2), ref, atol=1e-5)
 

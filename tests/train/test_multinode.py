@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.train.launching import (
+    PARITY,
     TINY,
     assert_resumed,
     assert_same,
     kill_machine,
-    launch,
     launch_machines,
     log_rows,
     wait_machines,
@@ -24,8 +24,6 @@ from tests.train.launching import (
 )
 
 pytestmark = pytest.mark.slow
-PARITY = TINY + ["draft=eagle", "draft.config.feature_noise=0", "train.max_steps=3",
-                 "train.eval_every=3", "train.save_every=3", "seed=1"]
 
 
 def _summary(out: Path) -> dict:
@@ -34,10 +32,8 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_two_machines_ddp_and_zero2_match_one_process(tmp_path):
-    one = tmp_path / "one"
-    launch(["--config_file", "conf/accelerate/single.yaml"], one,
-           PARITY + ["train.micro_batch_size=4"], port=29661)
+@pytest.mark.xdist_group("parity")  # one worker: the one-process reference is shared
+def test_two_machines_ddp_and_zero2_match_one_process(one_process_reference, tmp_path):
     ddp, zero2 = tmp_path / "ddp", tmp_path / "zero2"
     wait_machines(launch_machines("conf/accelerate/ddp.yaml", ddp,
                                   PARITY + ["launcher=ddp", "train.micro_batch_size=2"],
@@ -54,7 +50,7 @@ def test_two_machines_ddp_and_zero2_match_one_process(tmp_path):
             (0, 0, 0), (1, 0, 1)], s["ranks"]  # one process on each of two machines
         fp = s["rank_batch_fingerprints"]
         assert len(fp) == 2 and fp[0] != fp[1], f"ranks saw the same data: {fp}"
-    ref = weights(one)
+    ref = weights(one_process_reference)  # conftest.py: launched once, shared
     assert_same(weights(ddp), ref, atol=1e-5)
     assert_same(weights(zero2), ref, atol=1e-5)
 
@@ -63,7 +59,8 @@ def test_two_machines_ddp_and_zero2_match_one_process(tmp_path):
 def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_path):
     """SIGKILL closes the lost machine's sockets (the other fails at once); SIGSTOP leaves them
     open, as a machine that hangs or loses its network would: the other waits
-    ``train.dist_timeout_s`` (20 s here), then fails."""
+    ``train.dist_timeout_s`` (20 s here: it also bounds start-up, slow on a loaded machine),
+    then fails."""
     run = tmp_path / "run"
     common = TINY + ["draft=medusa", "train.max_steps=30", "train.eval_every=30",
                      "train.save_every=3", "train.dist_timeout_s=20", "seed=2", "launcher=ddp",

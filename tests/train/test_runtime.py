@@ -1,5 +1,6 @@
-"""Process plumbing of the recipe (train/runtime.py): allocator re-exec, threads, the launch
-check, the epoch loader, the schedule and the step log, each without running a training job."""
+"""Process plumbing of the recipe (train/malloc.py, train/runtime.py): allocator re-exec,
+threads, the launch check, the epoch loader, the schedule and the step log, each without running
+a training job."""
 from __future__ import annotations
 
 import itertools
@@ -12,17 +13,20 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.train import runtime
+from draftsmith.train import malloc, runtime
 from draftsmith.train.config import ConfigError
-from draftsmith.train.runtime import (
+from draftsmith.train.malloc import (
     MALLOC_SWITCH,
     TUNED_MALLOC,
+    reexec_with_tuned_malloc,
+    restart_as_command,
+)
+from draftsmith.train.runtime import (
     StepLog,
     cosine_with_warmup,
     cpu_threads,
     make_accelerator,
     make_epoch_loader,
-    reexec_with_tuned_malloc,
 )
 
 
@@ -31,9 +35,9 @@ from draftsmith.train.runtime import (
 def execve(monkeypatch):
     """Record ``os.execve`` calls instead of re-exec'ing."""
     events: list = []
-    monkeypatch.setattr(runtime.os, "execve",
+    monkeypatch.setattr(malloc.os, "execve",
                         lambda path, argv, env: events.append(("execve", path, argv, env)))
-    monkeypatch.setattr(runtime.sys, "platform", "linux")
+    monkeypatch.setattr(malloc.sys, "platform", "linux")
     monkeypatch.setattr(sys, "orig_argv", ["python3", "-X", "utf8", "train/distill.py", "seed=3"])
     for key in (*TUNED_MALLOC, MALLOC_SWITCH):
         monkeypatch.delenv(key, raising=False)
@@ -87,9 +91,34 @@ def test_reexec_leaves_the_users_own_malloc_settings_alone(execve, monkeypatch):
 
 
 def test_reexec_is_linux_only(execve, monkeypatch):
-    monkeypatch.setattr(runtime.sys, "platform", "darwin")
+    monkeypatch.setattr(malloc.sys, "platform", "darwin")
     reexec_with_tuned_malloc()
     assert _execs(execve) == []
+
+
+@pytest.mark.parametrize(("name", "argv0", "restarts"), [
+    ("__main__", "train/distill.py", True),  # run by path, or python -m
+    ("draftsmith.train.distill", "/venv/bin/draftsmith-distill", True),  # the console script
+    ("draftsmith.train.distill", "/venv/bin/pytest", False),  # imported by another program
+    ("draftsmith.train.distill", "/venv/bin/draftsmith-bench-train", False),  # another command
+])
+def test_a_command_restarts_when_started_as_itself_only(execve, monkeypatch, name, argv0,
+                                                        restarts):
+    monkeypatch.setattr(sys, "argv", [argv0, "seed=3"])
+    restart_as_command(name, "draftsmith-distill")
+    assert len(_execs(execve)) == int(restarts)
+
+
+def test_malloc_imports_nothing_heavy():
+    """The restart runs before the commands' other imports: its module needs the standard
+    library only (a fresh interpreter, so modules this test process loaded do not count)."""
+    import subprocess
+
+    code = ("import sys; import draftsmith.train.malloc; "
+            "print(sorted(m for m in ('torch', 'hydra', 'omegaconf', 'numpy', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_tuned_malloc_disables_mmap_and_trimming():

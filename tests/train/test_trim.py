@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from draftsmith.train.runtime import TUNED_MALLOC, trim_freed_memory
+from draftsmith.train.malloc import TUNED_MALLOC
+from draftsmith.train.runtime import trim_freed_memory
 
 # Under the tuned allocator: allocate 40 blocks of 8 MB, free every other one with a live block
 # between (fragments the heap: nothing at its top to release), then call the valve.
