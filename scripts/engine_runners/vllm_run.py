@@ -39,6 +39,7 @@ def run_one(job: dict, run: dict) -> dict:
     llm = LLM(model=run.get("model") or job["target"], dtype="float32",
               max_model_len=int(job["max_model_len"]), enforce_eager=True,
               disable_log_stats=False, seed=int(job["seed"]), max_num_seqs=1,
+              distributed_executor_backend="uni",  # the worker in this process (see engines.py)
               speculative_config=run.get("speculative_config"))
     params = SamplingParams(temperature=float(job["temperature"]),
                             max_tokens=int(job["max_tokens"]), seed=int(job["seed"]),

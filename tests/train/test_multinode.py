@@ -65,7 +65,8 @@ def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_pat
     common = TINY + ["draft=medusa", "train.max_steps=30", "train.eval_every=30",
                      "train.save_every=3", "train.dist_timeout_s=20", "seed=2", "launcher=ddp",
                      "train.micro_batch_size=2"]
-    procs = launch_machines("conf/accelerate/ddp.yaml", run, common, port=29671)
+    port = {"killed": 29671, "frozen": 29675}[how]  # the two cases may run at once (xdist)
+    procs = launch_machines("conf/accelerate/ddp.yaml", run, common, port=port)
     deadline = time.time() + 600
     while not (run / "checkpoints" / "step-000003" / "trainer_state.json").exists():
         assert all(p.poll() is None for p in procs), "a machine ended before the loss"
@@ -91,7 +92,7 @@ def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_pat
     ckpt, logged = latest_checkpoint(run), log_rows(run)
     assert ckpt is not None
     assert int(ckpt.name.removeprefix("step-")) < 30, "the run finished before the loss"
-    wait_machines(launch_machines("conf/accelerate/ddp.yaml", run, common, port=29672), run)
+    wait_machines(launch_machines("conf/accelerate/ddp.yaml", run, common, port=port + 1), run)
     assert_resumed(Path(f"{run}.machine0.log").read_text(), log_rows(run)[len(logged):], ckpt,
                    last_step=30)
 
