@@ -55,7 +55,10 @@ def test_two_machines_ddp_and_zero2_match_one_process(one_process_reference, tmp
     assert_same(weights(zero2), ref, atol=1e-5)
 
 
-@pytest.mark.parametrize(("how", "sig"), [("killed", signal.SIGKILL), ("frozen", signal.SIGSTOP)])
+@pytest.mark.parametrize(("how", "sig"), [
+    ("killed", signal.SIGKILL),
+    # judged by the time the other machine waited: alone (make test's serial part)
+    pytest.param("frozen", signal.SIGSTOP, marks=pytest.mark.serial)])
 def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_path):
     """SIGKILL closes the lost machine's sockets (the other fails at once); SIGSTOP leaves them
     open, as a machine that hangs or loses its network would: the other waits
