@@ -16,7 +16,6 @@ markdown table beside it; a failure is a row with the engine's error.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.data.cache_lock import make_once
 from draftsmith.eval import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,16 +77,8 @@ def ensure_env(engine: str, root: Path) -> Path:
     (:func:`engine_env`): speculators' environment 47 s + 23 s for its first import against
     106 s + 10 s byte-compiling everything at install."""
     env = root / engine
-    python = env / "bin" / "python"
-    stamp = env / READY
-    if stamp.is_file():
-        return python
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{engine}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the holder dies)
-        if not stamp.is_file():  # else: made by the holder this call waited for
-            _make_env(engine, env)
-    return python
+    make_once((env / READY).is_file, lambda: _make_env(engine, env), root / f".{engine}.lock")
+    return env / "bin" / "python"
 
 
 def _make_env(engine: str, env: Path) -> None:
