@@ -194,7 +194,7 @@ _prefetch: subprocess.Popen | None = None
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When a selected test is marked ``engines(name, ...)``, start making those engines'
     environments in a background process (``scripts.engines.ensure_env``; on a fresh clone about
-    ten minutes of pip, mostly one core's work) so that it overlaps the tests before the engine
+    a minute with uv, mostly one core's work) so that it overlaps the tests before the engine
     check instead of adding to the suite; the check waits on ensure_env's lock. Its log is
     ``<engines_dir>/prefetch.log``; ``DRAFTSMITH_PREFETCH_ENGINES=0`` turns it off."""
     global _prefetch

@@ -86,10 +86,13 @@ def test_clear_errors(tmp_path, monkeypatch):
 def test_cached_fp32_target_matches_the_gguf_model(real_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.data.gguf_read import one_parse_per_file
+
     gguf = tg.packaged_gguf()
-    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                               dtype=torch.float32).eval()
-    ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with one_parse_per_file():  # transformers' own loaders, the file parsed once, not three times
+        ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                   dtype=torch.float32).eval()
+        ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ident_ = real_target.identity
     assert ident_.weights_sha256 == tg.sha256_file(gguf)
     assert ident_.tokenizer_sha256 == tokenizer_sha256(ref_tok) \

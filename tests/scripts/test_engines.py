@@ -33,11 +33,11 @@ def test_a_missing_environment_is_a_row_with_the_error(tmp_path, monkeypatch):
 
 
 class FakeBuild:
-    """subprocess.run for ensure_env without pip: ``venv`` makes ``bin/python``, installs are
-    recorded (slowly, so that concurrent callers overlap), everything succeeds."""
+    """subprocess.run for ensure_env without pip or uv: ``venv`` makes ``bin/python`` (a build
+    recorded), installs take a while (so that concurrent callers overlap), everything succeeds."""
 
     def __init__(self):
-        self.installs: list[str] = []
+        self.builds: list[str] = []
 
     def __call__(self, cmd, **kw):
         import time
@@ -45,8 +45,8 @@ class FakeBuild:
         if list(cmd[1:3]) == ["-m", "venv"]:
             (Path(cmd[3]) / "bin").mkdir(parents=True)
             (Path(cmd[3]) / "bin" / "python").write_text("")
+            self.builds.append(cmd[3])
         elif "install" in cmd:
-            self.installs.append(cmd[0])
             time.sleep(0.3)
 
         class Done:
@@ -66,7 +66,7 @@ def test_concurrent_callers_make_an_environment_once(tmp_path, monkeypatch):
         t.start()
     for t in callers:
         t.join()
-    assert len(fake.installs) == 1  # the others waited on the lock, then found the stamp
+    assert len(fake.builds) == 1  # the others waited on the lock, then found the stamp
     assert got == [tmp_path / "vllm" / "bin" / "python"] * 3
     assert (tmp_path / "vllm" / ".draftsmith-ready").is_file()
 
@@ -78,9 +78,9 @@ def test_an_environment_whose_build_was_killed_is_made_again_from_scratch(tmp_pa
     fake = FakeBuild()
     monkeypatch.setattr(engines.subprocess, "run", fake)
     engines.ensure_env("vllm", tmp_path)
-    assert not half.exists() and len(fake.installs) == 1
-    engines.ensure_env("vllm", tmp_path)  # stamped now: nothing is installed again
-    assert len(fake.installs) == 1
+    assert not half.exists() and len(fake.builds) == 1
+    engines.ensure_env("vllm", tmp_path)  # stamped now: nothing is made again
+    assert len(fake.builds) == 1
 
 
 def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
