@@ -134,29 +134,31 @@ def engine_env(engine: str, env: Path) -> dict[str, str]:
     return out
 
 
-def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> dict:
-    """One engine run (a fresh process: engines keep global state) -> its first result
-    record."""
+def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> list[dict]:
+    """The job's runs (``runs``; a library's ``exports``) one after another in one fresh process
+    (engines keep global state: a process per call, not per run) -> a result record per run."""
+    n = len(job.get("runs") or job.get("exports") or [None])
     with tempfile.TemporaryDirectory(prefix=f"{engine}-job-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         try:
             done = subprocess.run([str(python), str(RUNNERS / f"{engine}_run.py"), str(job_path),
                                    str(out_path)], capture_output=True, text=True,
-                                  env=engine_env(engine, python.parents[1]), timeout=timeout_s,
-                                  check=False)
+                                  env=engine_env(engine, python.parents[1]),
+                                  timeout=timeout_s * n, check=False)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout_s} s"}
+            return [{"ok": False, "error": f"timed out after {timeout_s * n} s"}] * n
         if not out_path.is_file():
-            return {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+            return [{"ok": False, "error": f"exit {done.returncode}: {done.stderr[-3000:]}"}] * n
         res = json.loads(out_path.read_text())
-    run = {**res["runs"][0], "version": res["version"]}
-    if run.get("error") and "root cause above" in run["error"]:
-        # vLLM's engine core reports why it failed only in its own log: keep those lines
-        causes = [line.strip() for line in (done.stdout + done.stderr).splitlines()
-                  if "Error" in line or "not supported" in line.lower()]
-        run["error"] += " | engine log: " + " / ".join(causes[-4:])[-1500:]
-    return run
+    runs = [{**run, "version": res["version"]} for run in res["runs"]]
+    for run in runs:
+        if run.get("error") and "root cause above" in run["error"]:
+            # vLLM's engine core reports why it failed only in its own log: keep those lines
+            causes = [line.strip() for line in (done.stdout + done.stderr).splitlines()
+                      if "Error" in line or "not supported" in line.lower()]
+            run["error"] += " | engine log: " + " / ".join(causes[-4:])[-1500:]
+    return runs
 
 
 def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int,
@@ -215,11 +217,10 @@ def engine_acceptance(engine: str, spec: dict, k: int) -> list[float | None]:
 
 
 def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[dict],
-            plain: dict, python: Path, target: str) -> dict:
+            plain: dict, res: dict) -> dict:
+    """A row: the engine's run ``res`` of the export beside its plain run and our decoder."""
     engine = FORMAT_ENGINE[fmt][0]
     k = int(cfg.k)
-    job = engine_job(engine, cfg, target, records, engine_run(fmt, export, k))
-    res = run_engine(engine, python, job, int(cfg.timeout_s))
     row = {"format": fmt, "engine": engine, "version": res.get("version"), "k": k,
            "loads": res.get("ok", False), "error": res.get("error")}
     if not res.get("ok"):
@@ -231,7 +232,7 @@ def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[
     our_acc = per_position(mine["accepted_at"], mine["spec_steps"], k)
     greedy = temp == 0  # sampled outputs depend on each decoder's random stream: not compared
     row.update(runs=True, temperature=temp,
-               greedy_identical_to_engine_plain=(res["outputs"] == plain["outputs"]
+               greedy_identical_to_engine_plain=(res["outputs"] == plain.get("outputs")
                                                  if greedy else None),
                greedy_identical_to_ours=res["outputs"] == mine["outputs"] if greedy else None,
                engine_acceptance=engine_acc, our_acceptance=our_acc,
@@ -253,7 +254,7 @@ def library_load(fmt: str, export: Path, root: Path, cfg: DictConfig) -> dict:
         python = ensure_env(lib, root)
     except EngineUnavailable as e:
         return {**row, "error": str(e)}
-    res = run_engine(lib, python, {"exports": [str(export)]}, int(cfg.timeout_s))
+    res = run_engine(lib, python, {"exports": [str(export)]}, int(cfg.timeout_s))[0]
     row.update(version=res.get("version"), library=res)
     if not res.get("ok"):
         return {**row, "error": res.get("error")}
@@ -316,8 +317,10 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict]:
     """Every export of ``cfg.drafts`` run in its engine beside our decoder -> the rows.
 
-    ``plain_runs`` keeps the engines' plain runs by job (engine, target, prompts, settings):
-    calls that share it decode plainly once per job (each plain run is an engine start-up)."""
+    One engine process per engine and target runs the plain decoding and every export in turn
+    (an engine start-up, ~6 s of imports for vLLM, once). ``plain_runs`` keeps the engines'
+    plain runs by job (engine, target, prompts, settings): calls that share it decode plainly
+    once per job."""
     from draftsmith.data.target import load_target
     from draftsmith.eval import session
     from draftsmith.eval.draft import load_draft
@@ -331,6 +334,9 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
     rows, plain = [], {}
     plain_runs = {} if plain_runs is None else plain_runs
     root = (REPO / str(cfg.engines_dir)).resolve()
+    k = int(cfg.k)
+    # (engine, label of the target, target) -> the engine's Python and the rows it fills in
+    pending: dict[tuple[str, str, str], tuple[Path, list[tuple[int, str, Path]]]] = {}
     with tempfile.TemporaryDirectory(prefix="engines-") as tmp:
         for d in drafts:
             pkg = load_draft(d, loaded)
@@ -347,31 +353,36 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
                     continue
                 export = Path(tmp) / f"{Path(d).name}-{fmt}"
                 try:
-                    export_package(d, fmt, export, target=loaded, num_speculative_tokens=int(cfg.k),
+                    export_package(d, fmt, export, target=loaded, num_speculative_tokens=k,
                                    gguf_vocab_from=cfg.get("target_gguf"))
                 except ExportError as e:
                     rows.append({**base, "error": f"refused at export: {e}"})
                     continue
                 for where, target in engine_targets(engine, loaded, cfg, root):
-                    key = f"{engine} {where}".strip()
-                    if key not in plain:
-                        job = engine_job(engine, cfg, target, records, {
-                            "name": "plain", "speculative_config": None, "draft": None})
-                        ident = json.dumps([engine, job], sort_keys=True)
-                        if ident in plain_runs:
-                            note(f"{key}: plain decoding of an earlier call, the same job")
-                        else:
-                            note(f"{key}: plain decoding")
-                            plain_runs[ident] = run_engine(engine, python, job,
-                                                           int(cfg.timeout_s))
-                        plain[key] = plain_runs[ident]
-                    note(f"{key}: {Path(d).name} as {fmt}")
-                    rows.append({"draft": label, "engine_target": where or None,
-                                 **compare(fmt, export, cfg, loaded, records, plain[key],
-                                           python, target)})
+                    rows.append({"draft": label, "engine_target": where or None})  # filled below
+                    pending.setdefault((engine, where, target), (python, []))[1].append(
+                        (len(rows) - 1, fmt, export))
                 if fmt in LOADERS:
                     note(f"{LOADERS[fmt]}: loading {Path(d).name} as {fmt}")
                     rows.append({"draft": label, **library_load(fmt, export, root, cfg)})
+        for (engine, where, target), (python, items) in pending.items():
+            key = f"{engine} {where}".strip()
+            runs = [engine_run(fmt, export, k) for _, fmt, export in items]
+            plain_job = engine_job(engine, cfg, target, records, {
+                "name": "plain", "speculative_config": None, "draft": None})
+            ident = json.dumps([engine, plain_job], sort_keys=True)
+            fresh = ident not in plain_runs
+            note(f"{key}: " + ", ".join((["plain decoding"] if fresh else []) + [
+                f"{export.name}" for _, _, export in items]) + " (one engine process)")
+            job = {**plain_job, "runs": (plain_job["runs"] if fresh else []) + runs}
+            results = run_engine(engine, python, job, int(cfg.timeout_s))
+            if fresh:
+                plain_runs[ident] = results.pop(0)
+            else:
+                note(f"{key}: plain decoding of an earlier call, the same job")
+            plain[key] = plain_runs[ident]
+            for (i, fmt, export), res in zip(items, results):
+                rows[i].update(compare(fmt, export, cfg, loaded, records, plain[key], res))
     out = REPO / str(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "plain": plain,

@@ -33,6 +33,17 @@ def _metrics(llm) -> dict:
 
 
 def run_one(job: dict, run: dict) -> dict:
+    """One run in this process; the next run's engine starts after this one is torn down (as
+    vLLM's own tests do between engines in one process)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    try:
+        return _decode(job, run)
+    finally:
+        cleanup_dist_env_and_memory()
+
+
+def _decode(job: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

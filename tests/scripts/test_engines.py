@@ -150,7 +150,8 @@ def test_an_engine_core_failure_keeps_its_root_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(engines, "RUNNERS", tmp_path)
     python = Path(sys.executable)
     core = "RuntimeError: Engine core initialization failed. See root cause above."
-    run = engines.run_engine("fake", python, {"error": core}, timeout_s=60)
+    (run,) = engines.run_engine("fake", python, {"error": core}, timeout_s=60)
     assert "does not support EAGLE-3" in run["error"] and "INFO" not in run["error"]
-    own = engines.run_engine("fake", python, {"error": "ValueError: bad export"}, timeout_s=60)
+    (own,) = engines.run_engine("fake", python, {"error": "ValueError: bad export"},
+                                timeout_s=60)
     assert own["error"] == "ValueError: bad export"
