@@ -43,7 +43,8 @@ release: $(STAMP)
 # Two pytest-xdist workers (one torch thread each); tests that share a costly fixture run on one
 # worker (`xdist_group`); slow tests are handed out first (tests/conftest.py). Then, alone, the
 # `serial` tests: their assertions rest on measured time (a fallback decided from step timings,
-# a peer lost after a timeout), which a busy second worker would distort.
+# a peer lost after a timeout, plain decoding timed against itself), which a busy second worker
+# would distort.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup -m "not serial" --timeout 1200 \
 		--durations=30 $(ARGS)

@@ -256,6 +256,7 @@ def test_the_plain_decoder_is_warmed_up_too(lively, records, monkeypatch):
     assert warmed == [("plain", len(records))]
 
 
+@pytest.mark.serial  # its bound is on measured time: alone, after the two-worker part
 def test_decode_measures_plain_against_plain(decode_setup, capsys):
     """``draft=none baseline=true``: the measurement checked against itself (~1.0x; the bound is
     loose, this is a real, shared machine) and the summary's speedup keys."""
