@@ -372,14 +372,12 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
                 "name": "plain", "speculative_config": None, "draft": None})
             ident = json.dumps([engine, plain_job], sort_keys=True)
             fresh = ident not in plain_runs
-            note(f"{key}: " + ", ".join((["plain decoding"] if fresh else []) + [
-                f"{export.name}" for _, _, export in items]) + " (one engine process)")
+            plain_note = "after plain decoding" if fresh else "plain decoding from an earlier call"
+            note(f"{key}: {', '.join(e.name for _, _, e in items)} in one process, {plain_note}")
             job = {**plain_job, "runs": (plain_job["runs"] if fresh else []) + runs}
             results = run_engine(engine, python, job, int(cfg.timeout_s))
             if fresh:
                 plain_runs[ident] = results.pop(0)
-            else:
-                note(f"{key}: plain decoding of an earlier call, the same job")
             plain[key] = plain_runs[ident]
             for (i, fmt, export), res in zip(items, results):
                 rows[i].update(compare(fmt, export, cfg, loaded, records, plain[key], res))
