@@ -99,6 +99,7 @@ def make_accelerator(cfg: DictConfig):
         if use_deepspeed:
             # gloo process group; Accelerator(cpu=True) would silently drop DeepSpeed.
             handlers = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+            skip_deepspeed_shm_op()
         else:
             kwargs["cpu"] = True  # real DDP over gloo
     mp = cfg.train.mixed_precision
@@ -114,6 +115,17 @@ def make_accelerator(cfg: DictConfig):
                       **kwargs)
     _check_launch(cfg, acc)
     return acc
+
+
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce kernel when it
+    starts (~25 s of two compilers on a fresh machine, again for every environment path): only
+    inference tensor parallelism (``inference_all_reduce``) calls it, never ZeRO training, whose
+    collectives run on the gloo process group either way. DeepSpeed reads the op's
+    compatibility from ``deepspeed.ops.__compatible_ops__``, a dict it keeps for such edits."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _check_launch(cfg: DictConfig, acc) -> None:

@@ -219,6 +219,24 @@ def test_launch_check_compares_type_and_process_count():
     runtime._check_launch(cfg, three)
 
 
+@cpu_only
+def test_deepspeed_on_cpu_skips_building_the_shm_all_reduce_kernel(monkeypatch):
+    """The kernel DeepSpeed's CPU backend would compile at start-up is marked incompatible, so
+    ``build_shm_op`` (what its backend calls) builds nothing; without the skip it builds."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    builder = type(get_accelerator().create_op_builder("ShareMemCommBuilder"))
+    built = []
+    monkeypatch.setattr(builder, "load", lambda self, *a, **k: built.append(self.NAME) or "op")
+    monkeypatch.setattr(deepspeed.ops, "__compatible_ops__",
+                        {**deepspeed.ops.__compatible_ops__, builder.NAME: True})
+    assert build_shm_op() == "op" and built == [builder.NAME]  # what start-up would do
+    runtime.skip_deepspeed_shm_op()
+    assert build_shm_op() is None and built == [builder.NAME]
+
+
 # ----- make_epoch_loader -----------------------------------------------------------------------
 class _Numbered(torch.utils.data.Dataset):
     """Sequence i holds token id i (twice), so a batch names the sequences it holds."""
