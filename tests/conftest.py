@@ -17,7 +17,19 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 # Two threads at most; under pytest-xdist (`make test-fast`: -n 2) the cores are split among
 # the workers, since oversubscribed threads slow every worker.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the worker's thread count: code under test that sets its own (a
+    training run sizes its threads to the machine) must not leave every later test in this
+    worker oversubscribed (two workers of two threads each on two cores ran the sampling tests
+    several times slower)."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 REPO = Path(__file__).resolve().parents[1]
 

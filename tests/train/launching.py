@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# One torch thread per process: the tests run beside another pytest worker on two cores, where
+# the recipe's default (the machine's cores per local process) would oversubscribe them.
 TINY = ["debug=tiny", "data=sharegpt_tiny", "data.num_conversations=24", "data.max_length=96",
-        "logging=none"]
+        "logging=none", "train.cpu_threads=1"]
 # The data-parallel parity runs: the EAGLE head without feature noise, so the update is a
 # deterministic function of the data; the same global batch (4 sequences) everywhere. The
 # one-process reference (micro-batch 4) is launched once per session (conftest.py).
@@ -32,10 +34,14 @@ def compose_config(overrides: list[str]):
 
 
 def run_inprocess(overrides: list[str]) -> dict:
+    """``run`` in this process, with this process's torch thread count (the recipe's default,
+    the machine's cores, would oversubscribe the cores another pytest worker is using)."""
     from accelerate.state import AcceleratorState
 
     from draftsmith.train.distill import run
 
+    if not any(o.startswith("train.cpu_threads=") for o in overrides):
+        overrides = [*overrides, f"train.cpu_threads={torch.get_num_threads()}"]
     AcceleratorState._reset_state(True)
     try:
         return run(compose_config(overrides))
