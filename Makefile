@@ -33,7 +33,7 @@ install: $(STAMP)
 
 # Gemma 3 270M alone, into an existing environment (make install includes it).
 gemma: $(STAMP)
-	$(UV) --no-deps $(GEMMA_PKGS)
+	$(UV) --compile-bytecode --no-deps $(GEMMA_PKGS)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(ARGS)
