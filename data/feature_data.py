@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from draftsmith.data import features
 from draftsmith.data.features import DTYPES, TOKEN_COUNTS, FeatureCacheError
-from draftsmith.data.target import TargetIdentity, sha256_file
+from draftsmith.data.identity import TargetIdentity, sha256_file
 
 
 def read_manifest(cache_dir: str | Path) -> dict[str, Any]:

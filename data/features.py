@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from draftsmith.data.final_layer import final_from_layer, layer_types  # noqa: F401 (API)
-from draftsmith.data.target import TargetIdentity, TargetMismatchError, sha256_file
+from draftsmith.data.identity import TargetIdentity, TargetMismatchError, sha256_file
 
 FORMAT_VERSION = 2  # 2: teacher_lse per token
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

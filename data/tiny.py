@@ -32,7 +32,8 @@ def tiny_target_dir(hidden_size: int = 64, num_layers: int = 2, num_heads: int =
             for a base model, which loading the tiny target then gives the plain format).
         cache_dir: where targets are cached (default: the target cache).
     """
-    from draftsmith.data.target import default_cache_root, load_target
+    from draftsmith.data.packaged import default_cache_root
+    from draftsmith.data.target import load_target
 
     base_target = load_target(base)
     vocab = base_target.model.config.vocab_size

@@ -42,18 +42,23 @@ class Sampling:
 
 
 def open_target(cfg: Mapping[str, Any], loaded: Any = None) -> Any:
-    """The ``LoadedTarget`` of ``cfg.target_path`` (or the packaged default) in ``cfg.dtype`` on
-    ``cfg.device``, eval mode; ``loaded`` (already loaded) is moved there instead. Its chat format
-    is ``cfg.chat_template`` when the config has the key (as ``target.chat_template`` in
-    training: null = the tokenizer's own, or the plain format for a base model)."""
+    """The ``LoadedTarget`` of ``cfg.target_path`` in ``cfg.dtype`` on ``cfg.device``, eval mode;
+    ``loaded`` (already loaded) is moved there instead. ``target_path`` null: the packaged
+    target ``cfg.draft`` was made for (conf/target/*.yaml, found by its digest), else the
+    packaged default. Its chat format is ``cfg.chat_template`` when the config has the key (as
+    ``target.chat_template`` in training: null = the tokenizer's own, or the plain format for a
+    base model)."""
+    from draftsmith.data.packaged import draft_target_path
     from draftsmith.data.target import load_target
 
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     dtype = getattr(torch, cfg["dtype"])
     if loaded is None:
-        loaded = load_target(cfg.get("target_path") or cfg.get("target") or None, dtype=dtype,
-                             chat_template=cfg.get("chat_template"))
+        path = cfg.get("target_path") or cfg.get("target")
+        if not path and cfg.get("draft"):
+            path = draft_target_path(cfg["draft"])
+        loaded = load_target(path or None, dtype=dtype, chat_template=cfg.get("chat_template"))
     loaded.model.to(device=cfg["device"], dtype=dtype).eval()
     return loaded
 

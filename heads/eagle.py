@@ -68,6 +68,8 @@ class EagleConfig(HeadConfig):
         feature_noise: half-width a of uniform noise U(-a, a) added to the target features in
             training (0 disables).
         init_layer: None = fresh decoder layer; an int copies that target layer's weights.
+        intermediate_size: the draft layer's MLP width; None = the target's (engines read it
+            from the exported config, so a narrower MLP costs less drafting time and storage).
         layout: ``"eagle1"`` = the EAGLE-1 engine layout (no fc bias, no input norm on the
             layer, no output norm; exportable); ``"normed"`` = fc bias, input norm and a
             trainable output RMSNorm (not exportable); ``"eagle3"`` = the EAGLE-3 engine layout
@@ -80,6 +82,7 @@ class EagleConfig(HeadConfig):
     feature_noise: float = 0.0
     init_layer: int | None = None
     layout: str = "eagle1"
+    intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in EAGLE_LAYOUTS:
@@ -98,6 +101,9 @@ class EagleConfig(HeadConfig):
             raise ValueError(f"EagleConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
         if self.feature_noise < 0:
             raise ValueError(f"EagleConfig.feature_noise must be >= 0, got {self.feature_noise}")
+        if self.intermediate_size is not None and int(self.intermediate_size) < 1:
+            raise ValueError("EagleConfig.intermediate_size must be None (the target's) or >= 1, "
+                             f"got {self.intermediate_size}")
         if self.layout == "eagle3":
             if self.fuse_layers is None or len(self.fuse_layers) < 2:
                 raise ValueError("EagleConfig.layout=eagle3 fuses several target layers: set "
@@ -114,9 +120,13 @@ class EagleConfig(HeadConfig):
 
 
 
-def head_llama_config(target_config: Any) -> LlamaConfig:
-    """The head's one-layer Llama config, derived from the target's (any architecture)."""
-    return draft_layer_config(target_config, num_layers=1)
+def head_llama_config(target_config: Any, intermediate_size: int | None = None) -> LlamaConfig:
+    """The head's one-layer Llama config, derived from the target's (any architecture), with
+    the MLP width ``intermediate_size`` (None: the target's)."""
+    cfg = draft_layer_config(target_config, num_layers=1)
+    if intermediate_size is not None:
+        cfg.intermediate_size = int(intermediate_size)
+    return cfg
 
 
 def auto_fuse_layers(num_layers: int) -> list[int]:
@@ -179,7 +189,7 @@ class EagleHead(nn.Module):
     def __init__(self, cfg: EagleConfig, target_config: Any) -> None:
         super().__init__()
         self.cfg = cfg
-        self.config = head_llama_config(target_config)
+        self.config = head_llama_config(target_config, cfg.intermediate_size)
         h, v = self.config.hidden_size, self.config.vocab_size
         self.hidden_size, self.vocab_size = h, v
         n_layers = getattr(target_config, "num_hidden_layers", None)

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith.data.target import TargetIdentity
-from draftsmith.heads.family import FAMILIES, WEIGHTS, DraftFamily, get_family
+from draftsmith.data.identity import TargetIdentity
+from draftsmith.heads.family import FAMILIES, DraftFamily, get_family
 from draftsmith.heads.manifest import listed
 from draftsmith.heads.package import DraftPackage, check_target, target_config, verify_package
+from draftsmith.heads.weights import WEIGHTS
 
 FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from draftsmith.heads import dflash, dflash_train, draft_lm, eagle, eagle_ttt, medusa
-from draftsmith.heads.family_base import WEIGHTS, DraftFamily, HeadStateError, TreeKind
+from draftsmith.heads.family_base import DraftFamily, HeadStateError, TreeKind
 
-__all__ = ["FAMILIES", "WEIGHTS", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
+__all__ = ["FAMILIES", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
            "HeadStateError", "MedusaFamily", "TreeKind", "get_family"]
 
 log = logging.getLogger(__name__)

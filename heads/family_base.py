@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-WEIGHTS = "model.safetensors"  # a head's stored tensors inside a package
+from draftsmith.heads.weights import load_weights, save_weights
 
 
 class TreeKind(enum.Enum):
@@ -134,18 +134,15 @@ class DraftFamily(abc.ABC):
 
     def save(self, module: nn.Module, head_config: Any, folder, tokenizer: Any = None) -> None:
         """Write the module's weights into ``folder``."""
-        from safetensors.torch import save_file
-
-        save_file(self.saved_state(module, head_config), str(folder / WEIGHTS),
-                  metadata={"format": "pt", "draft_kind": self.name})
+        save_weights(self.saved_state(module, head_config), folder,
+                     {"format": "pt", "draft_kind": self.name})
 
     def load(self, folder, head_config: Any, identity: Mapping[str, Any], target_config: Any,
              target_model: nn.Module | None) -> nn.Module:
-        """The module stored in ``folder`` (fp32). Raises HeadStateError on a misfit."""
-        from safetensors.torch import load_file
-
+        """The module stored in ``folder`` (fp32; its one weights file or its shards). Raises
+        HeadStateError on a misfit."""
         head = self.empty_head(head_config, identity, target_config, target_model)
-        self.load_state(head, head_config, load_file(str(folder / WEIGHTS)))
+        self.load_state(head, head_config, load_weights(folder))
         return head
 
     def load_state(self, module: nn.Module, head_config: Any, state: dict[str, Tensor]) -> None:

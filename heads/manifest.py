@@ -27,7 +27,7 @@ import re
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from draftsmith.data.target import sha256_file
+from draftsmith.data.identity import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from draftsmith.data.target import TargetIdentity, TargetMismatchError, sha256_file
+from draftsmith.data.identity import TargetIdentity, TargetMismatchError, sha256_file
 from draftsmith.heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
 from draftsmith.heads.manifest import (  # noqa: F401 (re-exported: the package API)
     CARD,

@@ -266,18 +266,18 @@ def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> lis
                                                                                           str]]:
     """``(label, target)`` pairs the engine runs the export against: vLLM the target's HF folder;
     llama.cpp ``target_gguf`` when given, else the target's own fp32 weights written as a GGUF
-    (once, under ``engines_dir``: the weights draftsmith decodes with) and, when it is this
-    target, the packaged quantized GGUF CPU users run (llama.cpp's batched evaluation of a
-    quantized model is not token-identical to its one-token evaluation, so greedy identity is
-    judged on the fp32 one)."""
+    (once, under ``engines_dir``: the weights draftsmith decodes with) and the packaged target's
+    own quantized GGUF CPU users run, found by its pinned digest (llama.cpp's batched evaluation
+    of a quantized model is not token-identical to its one-token evaluation, so greedy identity
+    is judged on the fp32 one)."""
     if engine != "llama_cpp":
         return [("", str(loaded.path))]
     if cfg.get("target_gguf"):
         return [("", str(cfg.target_gguf))]
-    from draftsmith.data.target import packaged_gguf, sha256_file
+    from draftsmith.data.packaged import target_gguf
     from draftsmith.scripts.export_gguf import write_gguf
 
-    gguf = packaged_gguf()
+    gguf = target_gguf(loaded.identity.weights_sha256)  # the packaged target's own GGUF
     ident = loaded.identity
     f32 = root / "targets" / f"{ident.weights_sha256[:16]}-f32.gguf"
     if not f32.is_file():
@@ -285,10 +285,8 @@ def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> lis
         tmp = f32.with_suffix(".tmp")
         write_gguf(loaded.model.float(), tmp, torch.float32, gguf, f"{ident.name} (fp32)")
         tmp.replace(f32)
-    targets = [("fp32 target", str(f32))]
-    if sha256_file(gguf) == ident.weights_sha256:
-        targets.append((f"packaged {gguf.stem.rsplit('.', 1)[-1]} target", str(gguf)))
-    return targets
+    return [("fp32 target", str(f32)),
+            (f"packaged {gguf.stem.rsplit('.', 1)[-1]} target", str(gguf))]
 
 
 def write_markdown(rows: list[dict], path: Path) -> None:

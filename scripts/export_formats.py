@@ -54,12 +54,16 @@ def readable_by_older_loaders(cfg: dict) -> dict:
     return cfg
 
 
-def _layer_config(target_config: dict) -> dict:
+def _layer_config(pkg: DraftPackage) -> dict:
     """The head's single Llama-style decoder layer, derived from the target's config (any
-    architecture: ``heads.draft_config.draft_layer_config``), every field explicit."""
+    architecture: ``heads.draft_config.draft_layer_config``) with the head's own MLP width,
+    every field explicit."""
     from draftsmith.heads.draft_config import draft_layer_config
 
-    derived = draft_layer_config(target_config).to_dict()
+    derived = draft_layer_config(pkg.info["target_config"]).to_dict()
+    own = getattr(pkg.head_config, "intermediate_size", None)
+    if own is not None:
+        derived["intermediate_size"] = int(own)
     cfg = {k: v for k, v in derived.items() if not k.startswith("_")}
     cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], model_type="llama")
     cfg.pop("layer_types", None)
@@ -293,7 +297,7 @@ def _write_eagle(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:
     if opts.reference_files:  # the reference EAGLE model keeps the embedding in the head file
         emb = {"embed_tokens.weight": pkg.module.embed_tokens.weight}
         torch.save(_cpu({**state, **emb}, dtype), tmp / REFERENCE_FILES["eagle"])
-    cfg = _layer_config(pkg.info["target_config"])
+    cfg = _layer_config(pkg)
     cfg.update(architectures=[EAGLE_ARCH[engine]], bias="fc.bias" in state,
                torch_dtype=str(dtype).removeprefix("torch."))
     _write_json(tmp / "config.json", cfg)
@@ -306,7 +310,7 @@ def _eagle3_config(pkg: DraftPackage, dtype: torch.dtype, engine: str = "vllm") 
     ``hidden_states[i]`` (the input of layer i) by i, SGLang by i - 1 (it captures the input of
     layer ``id + 1``)."""
     cfg, ident = pkg.head_config, pkg.info["target"]
-    layer_cfg = _layer_config(pkg.info["target_config"])
+    layer_cfg = _layer_config(pkg)
     layer_cfg.update(draft_vocab_size=int(cfg.draft_vocab_size or ident["vocab_size"]),
                      target_hidden_size=ident["hidden_size"], tie_word_embeddings=False,
                      torch_dtype=str(dtype).removeprefix("torch."))
@@ -391,7 +395,7 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None
                                         "fusion_fc."), "layers.0.", "transformer.")
     _save(state, tmp / WEIGHTS, dtype)
     import transformers
-    layer_cfg = _layer_config(pkg.info["target_config"])
+    layer_cfg = _layer_config(pkg)
     _write_json(tmp / "config.json", {
         "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
         "speculators_model_type": "eagle", "speculators_version": "0.1.0",

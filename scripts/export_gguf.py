@@ -10,8 +10,9 @@ What the file holds, and why:
   adjacent-pair layout (the inverse of what transformers' GGUF loader undoes); norms in float32,
   matrices in the export dtype (float32 or float16); no ``output.weight`` for tied embeddings;
 * the tokenizer (``tokenizer.*`` keys) copied from the target's own GGUF, so llama.cpp sees the
-  draft and the target with one vocabulary. The default source is the packaged target GGUF when
-  it is the draft's target (same sha256); pass ``gguf_vocab_from`` for another target.
+  draft and the target with one vocabulary. The default source is the GGUF of the packaged
+  target with the draft's target digest (conf/target/*.yaml); pass ``gguf_vocab_from`` for
+  another target.
 """
 from __future__ import annotations
 
@@ -34,25 +35,22 @@ def vocab_source(identity: dict, given: str | Path | None) -> Path:
     """The GGUF whose tokenizer the draft's GGUF copies (see the module docstring).
 
     Raises:
-        ValueError: none given and the packaged target GGUF is not the draft's target.
+        ValueError: none given and the draft's target is not a packaged one.
     """
     if given is not None:
         path = Path(given)
         if not path.is_file():
             raise ValueError(f"gguf_vocab_from={given} is not a file: pass the target's GGUF")
         return path
-    from draftsmith.data.target import TargetNotFoundError, packaged_gguf, sha256_file
+    from draftsmith.data.identity import TargetNotFoundError
+    from draftsmith.data.packaged import target_gguf
 
-    try:
-        packaged = packaged_gguf()
-    except TargetNotFoundError as e:  # (the package is optional for other targets)
-        raise ValueError(f"format=gguf copies the tokenizer from the target's GGUF: pass "
-                         f"gguf_vocab_from=<the target's .gguf> ({e})") from e
-    if sha256_file(packaged) != identity["weights_sha256"]:
+    try:  # the packaged target this draft was made for, found by its pinned digest
+        return target_gguf(identity["weights_sha256"])
+    except TargetNotFoundError as e:
         raise ValueError(f"format=gguf copies the tokenizer from the target's GGUF, and the "
-                         f"packaged {packaged.name} is not this draft's target "
-                         f"({identity['name']}): pass gguf_vocab_from=<the target's .gguf>")
-    return packaged
+                         f"draft's target {identity['name']} is not a packaged one ({e}): pass "
+                         "gguf_vocab_from=<the target's .gguf>") from e
 
 
 def write_gguf(model: Any, path: Path, dtype: torch.dtype, vocab_from: Path | None,

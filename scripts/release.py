@@ -35,11 +35,11 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file, save_file
 
 from draftsmith.eval import CONF_DIR
-from draftsmith.heads.family import WEIGHTS, get_family
+from draftsmith.heads.family import get_family
 from draftsmith.heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.heads.weights import load_weights, save_weights, weight_files
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,8 +48,9 @@ TRAIN = ("accelerate", "launch", "--config_file", "conf/accelerate/single.yaml",
 
 
 def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
-            command: str | None = None) -> Path:
-    """Write the release folder ``out`` from the package ``draft``; returns ``out``."""
+            command: str | None = None, max_shard_mb: float | None = None) -> Path:
+    """Write the release folder ``out`` from the package ``draft``; returns ``out``. Weights
+    over ``max_shard_mb`` MB (None: no bound) are stored in shards of at most that size."""
     src, dst = Path(draft).resolve(), Path(out).resolve()
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
@@ -65,9 +66,9 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
 
     def write(tmp: Path) -> None:
         state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
-                 for k, v in load_file(str(src / WEIGHTS)).items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt",
-                                                      "draft_kind": info["draft_kind"]})
+                 for k, v in load_weights(src).items()}
+        bound = None if max_shard_mb is None else int(float(max_shard_mb) * 1e6)
+        save_weights(state, tmp, {"format": "pt", "draft_kind": info["draft_kind"]}, bound)
         source_manifest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
         record = {"source_package": str(draft), "source_manifest_sha256": source_manifest,
                   "weights_dtype": dtype, "command": command,
@@ -75,7 +76,7 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
                       timespec="seconds")}
         (tmp / "release.json").write_text(json.dumps(record, indent=2))
 
-    return derive_package(src, dst, (WEIGHTS,), write)
+    return derive_package(src, dst, tuple(weight_files(src)), write)
 
 
 def recipe_steps(name: str, out: str | None = None) -> list[tuple[list[str], str | None]]:
@@ -129,7 +130,8 @@ def run(cfg: DictConfig, command: str | None = None) -> Path | None:
         return None
     if cfg.draft is None or cfg.out is None:
         sys.exit(f"draft= and out= are required (or recipe=)\n{USAGE}")
-    out = release(str(cfg.draft), str(cfg.out), str(cfg.dtype), command=command)
+    out = release(str(cfg.draft), str(cfg.out), str(cfg.dtype), command=command,
+                  max_shard_mb=cfg.get("max_shard_mb"))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"release written to {out} ({size / 2**20:.1f} MiB)")
     return out

@@ -93,7 +93,7 @@ class _TinyLoaded:
 
 def make_tiny_target(seed: int = 0, name: str = "tiny", **kw):
     """A LoadedTarget-like object around a tiny random Llama with a fake identity."""
-    from draftsmith.data.target import TargetIdentity
+    from draftsmith.data.identity import TargetIdentity
 
     model = tiny_llama(seed=seed, **kw)
     cfg = model.config

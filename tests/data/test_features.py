@@ -16,7 +16,7 @@ from draftsmith.data.feature_data import (
     verify_cache,
 )
 from draftsmith.data.features import FeatureCacheError, build_feature_cache, teacher_logits
-from draftsmith.data.target import TargetMismatchError
+from draftsmith.data.identity import TargetMismatchError
 
 
 def make_rows(n: int = 11, vocab: int = 96, seed: int = 0) -> list[dict]:

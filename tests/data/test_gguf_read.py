@@ -24,9 +24,9 @@ def counted(monkeypatch) -> list[str]:
 def test_transformers_parses_the_gguf_once_inside_and_every_call_outside(counted):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from draftsmith.data.target import packaged_gguf
+    from draftsmith.data.packaged import default_cache_root, packaged_target
 
-    path = packaged_gguf()
+    path = packaged_target("smollm2_135m").gguf_file(default_cache_root())
     with one_parse_per_file() as readers:
         first = load_gguf_checkpoint(path)
         second = load_gguf_checkpoint(path)  # transformers' config, then its tokenizer

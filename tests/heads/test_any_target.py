@@ -26,7 +26,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from draftsmith.data.target import TargetIdentity
+from draftsmith.data.identity import TargetIdentity
 from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.decoding.proposers import DraftLMProposer
 from draftsmith.eval.decoding.proposers_dflash import DFlashProposer

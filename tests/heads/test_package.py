@@ -15,7 +15,6 @@ import torch
 from conftest import make_tiny_target
 
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
-from draftsmith.heads.family import WEIGHTS
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import (
     MANIFEST,
@@ -28,6 +27,7 @@ from draftsmith.heads.package import (
     sha256_file,
     update_package_json,
 )
+from draftsmith.heads.weights import WEIGHTS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_target
 
-from draftsmith.heads.family import WEIGHTS
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import (
     MANIFEST,
@@ -32,6 +31,7 @@ from draftsmith.heads.signing import (
     signing_key_path,
     verify_folder_signature,
 )
+from draftsmith.heads.weights import WEIGHTS
 
 
 def _package(tmp_path: Path, name: str = "pkg") -> tuple[Path, object]:

@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.data.target import TargetIdentity
+from draftsmith.data.identity import TargetIdentity
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.heads.eagle import EagleConfig, build_eagle
 from draftsmith.heads.exports import WEIGHTS_FILE, import_export
@@ -94,10 +94,10 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
     same file written without the permutation reads back with other q/k weights."""
     import gguf
 
-    from draftsmith.data.target import packaged_gguf
+    from draftsmith.data.packaged import target_gguf
     from draftsmith.scripts import export_gguf
     target, draft, pkg = lm_package
-    source = packaged_gguf()
+    source = target_gguf(target.identity.weights_sha256)
     out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
     file = out / export_gguf.GGUF_FILE
     fields = gguf.GGUFReader(str(file)).fields
@@ -118,8 +118,8 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
 
 
 def test_gguf_export_needs_the_target_gguf_for_its_tokenizer(lm_package, tmp_path):
-    _, _, pkg = lm_package  # a tiny target: the packaged GGUF is not its target
-    with pytest.raises(ExportError, match="not this draft's target.*gguf_vocab_from"):
+    _, _, pkg = lm_package  # a tiny target: no packaged target has its digest
+    with pytest.raises(ExportError, match="target tiny is not a packaged one.*gguf_vocab_from"):
         export_package(pkg, "gguf", tmp_path / "gguf")
     with pytest.raises(ExportError, match="is not a file"):
         export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=tmp_path / "none.gguf")
@@ -307,10 +307,11 @@ def test_engine_forward_tells_the_layouts_apart(tmp_path):
     assert not torch.allclose(engine_logits, ours, rtol=1e-2, atol=1e-2)
 
 
-def _eagle3_head(target, fuse=(1, 0), vocab=40, seed=0):
+def _eagle3_head(target, fuse=(1, 0), vocab=40, seed=0, width=None):
     """A layout=eagle3 head (reduced vocabulary, layers fused out of ascending order) with random
-    trainable weights."""
-    cfg = EagleConfig(layout="eagle3", fuse_layers=list(fuse), draft_vocab_size=vocab)
+    trainable weights (an MLP of width ``width``; None: the target's)."""
+    cfg = EagleConfig(layout="eagle3", fuse_layers=list(fuse), draft_vocab_size=vocab,
+                      intermediate_size=width)
     counts = torch.arange(target.model.config.vocab_size, dtype=torch.float).flip(0)
     head = build_eagle(cfg, target.model, token_counts=counts)
     _randomize(head, seed)
@@ -388,21 +389,26 @@ def _our_eagle3(head, layers: dict, ids, steps: int = 2):
     return res
 
 
-@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
-def test_eagle3_head_exports_exactly(tmp_path, fmt):
-    """An EAGLE-3 head in format=eagle3 (LlamaForCausalLMEagle3) and speculators' eagle3 type:
-    the engines' forward, computed from the export's tensors alone, gives our drafts over two
-    steps; the export reads back bit for bit."""
+@pytest.mark.parametrize("fmt,width", [("eagle3", None), ("speculators", None), ("eagle3", 24),
+                                       ("speculators", 24)])
+def test_eagle3_head_exports_exactly(tmp_path, fmt, width):
+    """An EAGLE-3 head in format=eagle3 (LlamaForCausalLMEagle3) and speculators' eagle3 type,
+    with the target's MLP width or a narrower one: the engines' forward, computed from the
+    export's tensors alone, gives our drafts over two steps; the export reads back bit for bit;
+    the exported config names the head's MLP width (engines build the layer from it)."""
     from safetensors.torch import load_file
     target = make_tiny_target()
     tc = target.model.config
-    cfg, head = _eagle3_head(target)
+    cfg, head = _eagle3_head(target, width=width)
+    assert head.layer.mlp.gate_proj.out_features == (width or tc.intermediate_size)
     pkg = save_package(tmp_path / "pkg", "eagle", head, cfg, target.identity,
                        extra_json={"speculation": {"k_star": 3}})
     out = export_package(pkg, fmt, tmp_path / fmt, verifier="/models/tiny")
     _conforms(out, fmt)
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
+    layer_cfg = config if fmt == "eagle3" else config["transformer_layer_config"]
+    assert layer_cfg["intermediate_size"] == (width or tc.intermediate_size)
     if fmt == "eagle3":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]
         assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # ascending

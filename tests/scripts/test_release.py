@@ -10,7 +10,6 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_eagle
-from draftsmith.heads.family import WEIGHTS
 from draftsmith.heads.package import (
     MANIFEST,
     SIGNATURE,
@@ -27,6 +26,7 @@ from draftsmith.heads.signing import (
     public_key_of,
     sign_folder,
 )
+from draftsmith.heads.weights import WEIGHTS, WEIGHTS_INDEX, load_weights
 from draftsmith.scripts.release import recipe_steps, release, run_recipe
 
 COMMITTED = Path(__file__).resolve().parents[2] / "releases" / "eagle3-smollm2-135m"
@@ -65,6 +65,29 @@ def test_release_stores_16_bit_weights_keeps_the_maps_and_verifies(tmp_path):
     torch.testing.assert_close(got.compute_logits(got(feats, ids)).float(), want,
                                rtol=0, atol=0)
     assert (out / "training_config.yaml").exists() == (src / "training_config.yaml").exists()
+
+
+def test_release_weights_over_the_shard_size_are_stored_in_signed_shards(tmp_path):
+    src, _, target = _eagle3_package(tmp_path)
+    whole = load_weights(src)
+    out = release(src, tmp_path / "rel", command="test", max_shard_mb=0.008)  # 8,000 bytes
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (out / WEIGHTS).exists()
+    assert all(f.stat().st_size <= 8_000 + 1_000 for f in shards)  # bound + header
+    index = json.loads((out / WEIGHTS_INDEX).read_text())
+    assert set(index["weight_map"]) == set(whole)
+    listed = json.loads((out / MANIFEST).read_text())["files"]
+    assert {f.name for f in shards} | {WEIGHTS_INDEX} <= set(listed)  # each shard signed
+    pkg = load_package(out, target=target)
+    for name, tensor in pkg.module.trainable_state_dict().items():
+        torch.testing.assert_close(tensor, whole[name].to(torch.bfloat16).to(tensor.dtype))
+    again = release(out, tmp_path / "rel2", command="test")  # a sharded source: one file again
+    assert (again / WEIGHTS).is_file() and not (again / WEIGHTS_INDEX).exists()
+    data = bytearray(shards[1].read_bytes())  # the twin: a changed shard is refused
+    data[-1] ^= 1
+    shards[1].write_bytes(bytes(data))
+    with pytest.raises(PackageIntegrityError, match=shards[1].name):
+        load_package(out, target=target)
 
 
 def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(tmp_path):

@@ -1,0 +1,44 @@
+"""The real Qwen2.5-Coder-0.5B-Instruct target (pkg:qwen2p5_coder_0p5b, installed by make
+install; joined from its chunk packages and converted once, then read from the target cache):
+its shape and chat format, and every stand-in proposer's greedy output equal to the target's
+own in fp32 on a target with a 151,936-word vocabulary and 14 / 2 grouped-query heads."""
+from __future__ import annotations
+
+import pytest
+from transformers import Qwen2ForCausalLM
+
+from draftsmith.data.packaged import packaged_target
+from draftsmith.data.target import load_target
+from draftsmith.eval import exactness
+
+pytestmark = [pytest.mark.real, pytest.mark.xdist_group("qwen_small")]
+
+
+@pytest.fixture(scope="module")
+def qwen_small():
+    return load_target("pkg:qwen2p5_coder_0p5b")
+
+
+def test_real_qwen_target_is_the_pinned_chat_model(qwen_small):
+    ident = qwen_small.identity
+    assert isinstance(qwen_small.model, Qwen2ForCausalLM)
+    assert (ident.vocab_size, ident.hidden_size, ident.num_layers) == (151936, 896, 24)
+    assert ident.weights_sha256 == packaged_target("qwen2p5_coder_0p5b").sha256
+    assert qwen_small.chat_format == "tokenizer"  # its own ChatML template
+    text = qwen_small.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                    add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_real_qwen_target_every_standin_proposer_is_exact(qwen_small, tmp_path):
+    res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=1",
+                                   "max_new_tokens=16", "drafts=[]", "k=3",
+                                   "standins.lm.num_layers=1", "tree_topk=3", "tree_size=8",
+                                   "medusa_branching=[3,2,1]",
+                                   f"out={tmp_path / 'exactness.json'}"], qwen_small)
+    assert len(res["references"]) == 2
+    for name, r in res["proposers"].items():
+        assert r["total"] == 2, name
+        assert (r["identical"], r["ties"], r["non_ties"]) == (2, 0, 0), (name, r["divergences"])
+    assert res["proposers"]["lookup"]["acceptance_rate"] > 0
