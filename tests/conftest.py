@@ -205,8 +205,9 @@ _prefetch: subprocess.Popen | None = None
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When a selected test is marked ``engines(name, ...)``, start making those engines'
-    environments in a background process (``scripts.engines.ensure_env``; on a fresh clone about
-    a minute with uv, mostly one core's work) so that it overlaps the tests before the engine
+    environments in a background process (``scripts.engine_envs.prepare``: the environment, and
+    llama.cpp's sources for ``llama_server``; on a fresh clone about a minute with uv, mostly
+    one core's work) so that it overlaps the tests before the engine
     check instead of adding to the suite; the check waits on ensure_env's lock. Its log is
     ``<engines_dir>/prefetch.log``; ``DRAFTSMITH_PREFETCH_ENGINES=0`` turns it off."""
     global _prefetch
@@ -216,15 +217,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     from omegaconf import OmegaConf
 
-    from draftsmith.scripts.engines import READY
+    from draftsmith.scripts.engine_envs import READY
 
     root = REPO / str(OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml").engines_dir)
     if all((root / n / READY).is_file() for n in names):
         return
     root.mkdir(parents=True, exist_ok=True)
     code = ("import os, sys; from pathlib import Path; "
-            "from draftsmith.scripts.engines import ensure_env; "
-            "os.nice(5); [ensure_env(n, Path(sys.argv[1])) for n in sys.argv[2:]]")
+            "from draftsmith.scripts.engine_envs import prepare; "
+            "os.nice(5); [prepare(n, Path(sys.argv[1])) for n in sys.argv[2:]]")
     with open(root / "prefetch.log", "w") as log:  # the child keeps its own descriptor
         _prefetch = subprocess.Popen([sys.executable, "-c", code, str(root), *names], cwd=REPO,
                                      stdout=log, stderr=subprocess.STDOUT,

