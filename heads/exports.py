@@ -23,7 +23,8 @@ from draftsmith.heads.manifest import listed
 from draftsmith.heads.package import DraftPackage, check_target, target_config, verify_package
 from draftsmith.heads.weights import WEIGHTS
 
-FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
+FORMATS = tuple(dict.fromkeys(fmt for family in FAMILIES.values()
+                              for fmt in family.export_formats))
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
 WEIGHTS_FILE = {"hf": WEIGHTS, "gguf": "draft.gguf", "eagle": WEIGHTS, "eagle3": WEIGHTS,
                 "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS, "dflash": WEIGHTS}
@@ -41,12 +42,13 @@ EAGLE3_LAYER_KEYS = EAGLE1_LAYER_KEYS + ("input_layernorm.weight", "hidden_norm.
 EAGLE3_LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 
 
-def format_family(fmt: str) -> DraftFamily:
-    """The family whose drafts ``fmt`` holds (``DraftFamily.export_formats``)."""
-    for family in FAMILIES.values():
-        if fmt in family.export_formats:
-            return family
-    raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+def format_families(fmt: str) -> tuple[DraftFamily, ...]:
+    """The families whose drafts ``fmt`` holds (``DraftFamily.export_formats``): one per format,
+    but ``gguf``, llama.cpp's file for every family it runs."""
+    found = tuple(f for f in FAMILIES.values() if fmt in f.export_formats)
+    if not found:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    return found
 
 
 def rename_prefix(state: dict[str, torch.Tensor], old: str,
@@ -115,9 +117,15 @@ def _read_hf(weights: Path, family: DraftFamily, cfg: Any, info: dict, target: A
 
 def _read_gguf(weights: Path, family: DraftFamily, cfg: Any, info: dict, target: Any) -> nn.Module:
     """transformers' own GGUF loader (it undoes the q/k RoPE permutation llama.cpp needs), its
-    tensors moved into a plain model (a GGUF-loaded one refuses dtype changes)."""
+    tensors moved into a plain model (a GGUF-loaded one refuses dtype changes). A draft LM only:
+    transformers reads no EAGLE-3 or DFlash GGUF."""
     from transformers import AutoModelForCausalLM
 
+    if family.gguf_layout is not None:
+        others = " or ".join(f for f in family.export_formats if f != "gguf")
+        raise ValueError(f"a {family.name} draft's GGUF is llama.cpp's ({family.gguf_layout} "
+                         f"through its converter) and reads back in llama.cpp only; export "
+                         f"format={others} to decode it here")
     read = AutoModelForCausalLM.from_pretrained(weights.parent, gguf_file=weights.name,
                                                 dtype=torch.float32)
     model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)

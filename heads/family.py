@@ -226,7 +226,8 @@ class EagleFamily(DraftFamily):
     tree_by_default = True
     batched_tree = True
     draft_vocab = True
-    export_formats = ("eagle", "eagle3", "speculators")
+    export_formats = ("eagle", "eagle3", "speculators", "gguf")
+    gguf_layout = "eagle3"  # EAGLE-3 heads only (an EAGLE-1 head is refused with the reasons)
     distill_targets = staticmethod(eagle_ttt.distill_targets)
 
     def build(self, head_config, target_model, token_counts=None):
@@ -299,7 +300,8 @@ class DFlashFamily(DraftFamily):
     config_class = dflash.DFlashConfig
     proposer = "draftsmith.eval.decoding.proposers_dflash.DFlashProposer"
     tree = TreeKind.NONE
-    export_formats = ("dflash",)
+    export_formats = ("dflash", "gguf")
+    gguf_layout = "zlab_dflash"
     distill_targets = staticmethod(dflash_train.distill_targets)
 
     def resolve_config(self, raw, target_config):

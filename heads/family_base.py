@@ -42,6 +42,9 @@ class DraftFamily(abc.ABC):
         hf_model: the module is a whole transformers causal LM (``save_pretrained``; it can be
             transformers' ``assistant_model``).
         export_formats: the ``scripts/export.py`` formats it can be written in.
+        gguf_layout: how its ``gguf`` export is made: None = written directly (a llama-class
+            draft LM); else the layout llama.cpp's converter reads it from
+            (``scripts/export_gguf_convert.py``: ``eagle3``, ``zlab_dflash``).
     """
 
     name: ClassVar[str]
@@ -53,6 +56,7 @@ class DraftFamily(abc.ABC):
     draft_vocab: ClassVar[bool] = False
     hf_model: ClassVar[bool] = False
     export_formats: ClassVar[tuple[str, ...]] = ()
+    gguf_layout: ClassVar[str | None] = None
 
     distill_targets: ClassVar[Callable[..., list]]
 

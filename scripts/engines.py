@@ -256,6 +256,8 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
             wanted = [f for f in pkg.family.export_formats
                       if not cfg.get("formats") or f in cfg.formats]
             for fmt in wanted:
+                if fmt == "gguf" and pkg.family.gguf_layout is not None:
+                    continue  # llama-cpp-python's draft_model hook runs draft LMs only
                 engine = FORMAT_ENGINE[fmt][0]
                 base = {"draft": label, "format": fmt, "engine": engine, "loads": False}
                 try:

@@ -6,7 +6,10 @@ Formats (layouts and their sources: ``scripts/export_layouts.py``; file names an
 family of each format: ``heads/exports.py``):
 
 * ``hf``          draft LM -> transformers model dir (``assistant_model`` in ``generate``).
-* ``gguf``        draft LM -> llama.cpp GGUF (``draft.gguf``; ``scripts/export_gguf.py``).
+* ``gguf``        llama.cpp GGUF (``draft.gguf``): a draft LM written directly
+                  (``scripts/export_gguf.py``); an EAGLE-3 head or a DFlash drafter through
+                  llama.cpp's own converter, checked after (``scripts/export_gguf_convert.py``;
+                  needs the target's folder, and the llama.cpp sources under ``.engines/``).
 * ``medusa``      Medusa heads -> ``config.json`` + ``medusa_lm_head.safetensors``.
 * ``eagle``       EAGLE head -> EAGLE-1 reference layout (vLLM / SGLang EAGLE loaders).
 * ``eagle3``      EAGLE-3 head -> ``LlamaForCausalLMEagle3`` layout (vLLM ``method: eagle3``,
@@ -41,7 +44,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.eval import CONF_DIR
-from draftsmith.heads.exports import FORMATS, format_family
+from draftsmith.heads.exports import FORMATS, format_families
 from draftsmith.heads.family import DraftFamily
 from draftsmith.heads.package import (
     FORMAT_VERSION,
@@ -60,12 +63,14 @@ from draftsmith.scripts.export_formats import (
     WriteOptions,
     _write_json,
 )
+from draftsmith.scripts.export_gguf_convert import write_gguf_export
 
 __all__ = ["ExportError", "OutPathError", "check_out", "export_package", "tensor_shapes"]
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
-FORMAT_WRITERS = {**WRITERS, "dflash": write_dflash}  # the writer of each format
+# the writer of each format
+FORMAT_WRITERS = {**WRITERS, "dflash": write_dflash, "gguf": write_gguf_export}
 
 
 class OutPathError(ValueError):
@@ -139,7 +144,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                    allow_unverified: bool = False, overwrite: bool = False,
                    legacy_speculators: bool = False,
                    gguf_vocab_from: str | Path | None = None,
-                   reference_files: bool = False) -> Path:
+                   reference_files: bool = False,
+                   engines_dir: str | Path | None = None) -> Path:
     """Export a verified draft package to a serving-engine layout (written atomically).
 
     Args:
@@ -167,6 +173,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         reference_files: also write the files the authors' reference libraries read
             (``format=eagle``: ``pytorch_model.bin`` with the embedding; ``format=medusa``:
             ``medusa_lm_head.pt``); refused for other formats.
+        engines_dir: ``format=gguf`` through llama.cpp's converter: where its environment and
+            sources are (None: ``.engines/``).
 
     Raises:
         OutPathError: writing ``out`` would lose files (nothing was written).
@@ -189,7 +197,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                          "(scripts/quantize.py); engines load float layouts: export the package "
                          "it was made from")
     if fmt not in pkg.family.export_formats:
-        raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
+        names = " or ".join(f"'{f.name}'" for f in format_families(fmt))
+        raise ValueError(f"format={fmt} exports {names} drafts, but {draft} "
                          f"holds a '{pkg.kind}' draft; use format="
                          f"{' or '.join(pkg.family.export_formats)}")
     fixed = pkg.family.engine_draft_length(pkg.head_config)
@@ -210,7 +219,9 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         opts = WriteOptions(dtype, k, verifier, engine, getattr(target, "tokenizer", None),
                             legacy_speculators,
                             None if gguf_vocab_from is None else str(gguf_vocab_from),
-                            reference_files)
+                            reference_files,
+                            None if getattr(target, "path", None) is None else str(target.path),
+                            None if engines_dir is None else str(engines_dir))
         FORMAT_WRITERS[fmt](pkg, tmp, opts)
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
@@ -245,10 +256,13 @@ def main(cfg: Any) -> Path:
     """Command line: export ``cfg.draft`` as ``cfg.format`` into ``cfg.out``."""
     check_out(Path(cfg.draft), Path(cfg.out), bool(cfg.get("overwrite", False)))  # before loading
     target = None
-    # the target's embedding goes into eagle-llm's reference file
-    if cfg.target_path is not None or cfg.check_target or cfg.get("reference_files"):
+    # the target's embedding goes into eagle-llm's reference file; llama.cpp's converter reads
+    # its config and tokenizer (format=gguf of an EAGLE-3 head or a DFlash drafter)
+    if (cfg.target_path is not None or cfg.check_target or cfg.get("reference_files")
+            or cfg.format == "gguf"):
+        from draftsmith.data.packaged import draft_target_path
         from draftsmith.data.target import load_target
-        target = load_target(cfg.target_path)
+        target = load_target(cfg.target_path or draft_target_path(cfg.draft))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}.get(cfg.dtype)
     if dtype is None:

@@ -216,8 +216,9 @@ def _write_json(path: Path, obj: Any) -> None:
 class WriteOptions:
     """What a writer needs besides the package: weight dtype, advertised draft length, the
     verifier's name or path, the engine (EAGLE-1 flavour), the target's tokenizer, and the GGUF
-    whose tokenizer a ``gguf`` export copies (None: the packaged target's), and whether to add
-    the authors' reference files (``REFERENCE_FILES``)."""
+    whose tokenizer a ``gguf`` export copies (None: the packaged target's), whether to add
+    the authors' reference files (``REFERENCE_FILES``), and for a ``gguf`` made by llama.cpp's
+    converter the target's folder and the engines' folder (``scripts/export_gguf_convert.py``)."""
 
     dtype: torch.dtype
     k: int
@@ -227,6 +228,8 @@ class WriteOptions:
     legacy_speculators: bool = False
     gguf_vocab_from: str | None = None
     reference_files: bool = False
+    target_dir: str | None = None
+    engines_dir: str | None = None
 
 
 def _write_gguf(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None:

@@ -12,7 +12,7 @@ from conftest import make_tiny_target, randomize
 from omegaconf import OmegaConf
 
 from draftsmith.heads.eagle import EagleConfig
-from draftsmith.heads.exports import FORMATS, format_family
+from draftsmith.heads.exports import FORMATS, format_families
 from draftsmith.heads.family import FAMILIES, HeadStateError, get_family
 from draftsmith.heads.medusa import MedusaConfig
 
@@ -255,16 +255,20 @@ def test_check_init_from_refuses_an_eagle_package_fusing_other_layers():
 
 
 # ----- export formats, positions ---------------------------------------------------------------
-def test_export_formats_are_disjoint_and_each_names_its_family():
+def test_each_export_format_names_its_families_and_only_gguf_is_shared():
     per_family = [set(f.export_formats) for f in FAMILIES.values()]
     assert all(per_family)
-    assert sum(len(s) for s in per_family) == len(set().union(*per_family)) == len(FORMATS)
-    for family in FAMILIES.values():
-        for fmt in family.export_formats:
-            assert format_family(fmt) is family
+    assert set().union(*per_family) == set(FORMATS) and len(set(FORMATS)) == len(FORMATS)
+    for fmt in FORMATS:
+        assert format_families(fmt) == tuple(f for f in FAMILIES.values()
+                                             if fmt in f.export_formats)
+        assert len(format_families(fmt)) == 1 or fmt == "gguf"
     assert {f.name: f.export_formats for f in FAMILIES.values()} == {
-        "lm": ("hf", "gguf"), "medusa": ("medusa",), "eagle": ("eagle", "eagle3", "speculators"),
-        "dflash": ("dflash",)}
+        "lm": ("hf", "gguf"), "medusa": ("medusa",),
+        "eagle": ("eagle", "eagle3", "speculators", "gguf"), "dflash": ("dflash", "gguf")}
+    # a draft LM's GGUF is written directly; the others go through llama.cpp's converter
+    assert {f.name: f.gguf_layout for f in FAMILIES.values() if "gguf" in f.export_formats} == {
+        "lm": None, "eagle": "eagle3", "dflash": "zlab_dflash"}
 
 
 def test_num_positions_and_default_position_weights_per_family():
