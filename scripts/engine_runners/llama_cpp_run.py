@@ -4,16 +4,22 @@ the llama.cpp environment.
     <engines>/llama_cpp/bin/python scripts/engine_runners/llama_cpp_run.py JOB.json RESULT.json
 
 JOB.json: ``target`` (the target's .gguf), ``prompts`` (lists of token ids), ``max_tokens``,
-``temperature``, ``seed``, ``max_model_len`` and ``runs``: ``[{"name", "draft" (a .gguf or
-null), "k"}, ...]``. llama-cpp-python speculates through its ``draft_model`` hook: after each
-sampled token it asks the draft for tokens, evaluates them with the target in one batch and keeps
-them while the target's own sample at each position equals the draft (greedy: lossless). The hook
-here runs the draft GGUF greedily for k tokens (its KV cache reused across calls by prefix
-match). The binding reports no acceptance counters, so each call's drafts are recorded and, after
+``temperature``, ``seed``, ``max_model_len`` and ``runs``: ``[{"name", "draft" (a .gguf), "k",
+"sweep" (other draft lengths), "sweep_prompts"}, ...]``. A plain ``Llama`` of the target, made
+once, and the run's speculative one live in this process; after a warm-up of each, every
+prompt is decoded plainly, speculatively and plainly again (the sweep: a speculative ``Llama``
+per other k on the first ``sweep_prompts`` prompts).
+
+llama-cpp-python speculates through its ``draft_model`` hook: after each sampled token it asks
+the draft for tokens, evaluates them with the target in one batch and keeps them while the
+target's own sample at each position equals the draft (greedy: lossless). The hook here runs
+the draft GGUF greedily for k tokens (its KV cache reused across calls by prefix match). The
+binding reports no acceptance counters, so each call's drafts are recorded and, after
 the run, scored against the tokens the target produced: per draft position, drafts equal to the
 output there with every earlier draft of the call equal too (calls whose k positions all lie
-within the output). RESULT.json: per run the output token ids per prompt, tokens/s and those
-counts, or the engine's error. This file imports only llama_cpp and numpy.
+within the output). RESULT.json: per run the output token ids per prompt (speculative; both
+plain runs), each prompt's wall times and token counts, those counts and the sweep's, or the
+engine's error. This file imports only llama_cpp and numpy.
 """
 from __future__ import annotations
 
@@ -59,41 +65,63 @@ def _score(calls: list, sequence: list[int], k: int) -> tuple[int, list[int]]:
     return steps, accepted
 
 
-def run_one(job: dict, run: dict) -> dict:
+def _generate(llm, ids: list[int], job: dict) -> tuple[list[int], float]:
+    eos, temp = llm.token_eos(), float(job["temperature"])
+    out: list[int] = []
+    t0 = time.perf_counter()
+    for tok in llm.generate(list(map(int, ids)), temp=temp, top_k=1 if temp == 0 else 0,
+                            top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(tok))
+        if tok == eos or len(out) == int(job["max_tokens"]):
+            break
+    return out, time.perf_counter() - t0
+
+
+_PLAIN: dict = {}  # target -> its plain Llama, made once per process
+
+
+def _llama(job: dict, draft=None):
     from llama_cpp import Llama
 
-    k, n_ctx = int(run.get("k") or 0), int(job["max_model_len"])
-    calls: list = []
-    draft = _draft_model(run["draft"], k, n_ctx, calls) if run.get("draft") else None
-    llm = Llama(model_path=job["target"], n_ctx=n_ctx, n_threads=2, seed=int(job["seed"]),
-                draft_model=draft, verbose=False)
-    eos = llm.token_eos()
-    temp = float(job["temperature"])
+    return Llama(model_path=job["target"], n_ctx=int(job["max_model_len"]), n_threads=2,
+                 seed=int(job["seed"]), draft_model=draft, verbose=False)
 
-    def generate(ids: list[int]) -> list[int]:
-        out: list[int] = []
-        for tok in llm.generate(ids, temp=temp, top_k=1 if temp == 0 else 0, top_p=1.0,
-                                min_p=0.0, repeat_penalty=1.0, reset=True):
-            out.append(int(tok))
-            if tok == eos or len(out) == int(job["max_tokens"]):
-                break
-        return out
 
-    generate(job["prompts"][0])  # warm-up
-    outputs, seconds, steps, accepted = [], 0.0, 0, [0] * k
-    for ids in job["prompts"]:
+def _paired(plain, spec, calls: list, k: int, prompts: list, job: dict) -> dict:
+    """Per prompt: plain, speculative, plain again (after a warm-up of each)."""
+    for llm in (plain, spec):
+        _generate(llm, prompts[0], job)
+    rows, outputs, plain_outputs, steps, accepted = [], [], [], 0, [0] * k
+    for ids in prompts:
+        a, ta = _generate(plain, ids, job)
         calls.clear()
-        t0 = time.perf_counter()
-        out = generate(list(ids))
-        seconds += time.perf_counter() - t0
-        outputs.append(out)
-        if draft is not None:
-            s, a = _score(calls, list(ids) + out, k)
-            steps, accepted = steps + s, [x + y for x, y in zip(accepted, a)]
-    tokens = sum(len(o) for o in outputs)
-    spec = {"draft_calls": steps, "accepted_per_position": accepted} if draft else {}
-    return {"name": run["name"], "ok": True, "outputs": outputs, "tokens": tokens,
-            "tokens_per_s": tokens / seconds if seconds else None, "spec": spec}
+        s, ts = _generate(spec, ids, job)
+        n, acc = _score(calls, list(ids) + s, k)
+        steps, accepted = steps + n, [x + y for x, y in zip(accepted, acc)]
+        b, tb = _generate(plain, ids, job)
+        rows.append({"plain_s": [ta, tb], "plain_tokens": [len(a), len(b)], "spec_s": ts,
+                     "spec_tokens": len(s)})
+        outputs.append(s)
+        plain_outputs.append([a, b])
+    return {"prompts": rows, "outputs": outputs, "plain_outputs": plain_outputs,
+            "spec": {"draft_calls": steps, "accepted_per_position": accepted}}
+
+
+def run_one(job: dict, run: dict) -> dict:
+    if job["target"] not in _PLAIN:
+        _PLAIN[job["target"]] = _llama(job)
+    plain = _PLAIN[job["target"]]
+
+    def paired(k: int, prompts: list) -> dict:
+        calls: list = []
+        spec = _llama(job, _draft_model(run["draft"], k, int(job["max_model_len"]), calls))
+        return _paired(plain, spec, calls, k, prompts, job)
+
+    main = paired(int(run["k"]), job["prompts"])
+    few = job["prompts"][:int(run.get("sweep_prompts") or len(job["prompts"]))]
+    sweep = [{"k": int(k), **{key: v for key, v in paired(int(k), few).items()
+                              if key in ("prompts", "spec")}} for k in run.get("sweep") or []]
+    return {"name": run["name"], "ok": True, **main, "sweep": sweep}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ def test_every_export_format_has_an_engine_to_run_it():
     formats = {fmt for family in FAMILIES.values() for fmt in family.export_formats}
     assert formats == set(engines.FORMAT_ENGINE)
     assert {engine for engine, _ in engines.FORMAT_ENGINE.values()} <= set(engines.ENVS)
+    # a gguf from llama.cpp's own converter runs in llama-server, a draft LM's in the binding
+    assert {engines.format_engine("gguf", f) for f in FAMILIES.values()
+            if "gguf" in f.export_formats} == {"llama_cpp", "llama_server"}
+    assert set(engines.SPEC_TYPES) == {f.gguf_layout for f in FAMILIES.values()} - {None}
 
 
 def test_acceptance_per_position_is_accepted_over_speculative_steps():
@@ -88,14 +92,17 @@ def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
              "loads": True, "greedy_identical_to_engine_plain": True,
              "greedy_identical_to_ours": True, "engine_acceptance": [0.08, 0.0],
              "our_acceptance": [0.08, 0.0], "acceptance_within_10pct": True,
-             "engine_tokens_per_s": 25.4, "engine_plain_tokens_per_s": 34.3},
+             "engine_speedup": 0.74, "engine_speedup_spread": [0.7, 0.8],
+             "engine_paired_prompts": 3, "engine_noisy": True, "k": 2, "engine_best_k": 1,
+             "our_k_star": 5},
             {"draft": "runs/eagle", "format": "speculators", "engine": "vllm", "loads": False,
              "error": "ValidationError: Expected one of: eagle3 | peagle"}]
     path = Path(tmp_path) / "engines.md"
     engines.write_markdown(rows, path)
     lines = path.read_text().splitlines()
     assert len(lines) == 2 + len(rows)
-    assert "| 0.08 0.00 | 0.08 0.00 | True | 25.4 / 34.3 |" in lines[2]
+    assert ("| 0.08 0.00 | 0.08 0.00 | True | 0.74x (0.70-0.80, 3 prompts, noisy) | 2 / 1 / 5 |"
+            in lines[2])
     assert "Expected one of: eagle3 / peagle" in lines[3]  # the engine's words, pipes escaped
 
 
@@ -130,6 +137,9 @@ def test_each_format_runs_in_its_engine_the_way_the_engine_reads_it(tmp_path):
     assert spec["model"] == str(tmp_path) and "method" not in spec["speculative_config"]
     gguf = engines.engine_run("gguf", tmp_path, 3)
     assert gguf["draft"] == str(tmp_path / "draft.gguf") and gguf["k"] == 3
+    server = engines.engine_run("gguf", tmp_path, 7, "llama_server", "zlab_dflash", [1, 2], 3)
+    assert server["spec_type"] == "draft-dflash" and server["sweep"] == [1, 2]
+    assert server["sweep_prompts"] == 3
     assert engines.LOADERS["speculators"] in engines.ENVS
 
 

