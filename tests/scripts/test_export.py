@@ -94,10 +94,11 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
     same file written without the permutation reads back with other q/k weights."""
     import gguf
 
-    from draftsmith.data.packaged import target_gguf
+    from draftsmith.data.packaged import DEFAULT_PACKAGED, packaged_targets, target_gguf
     from draftsmith.scripts import export_gguf
     target, draft, pkg = lm_package
-    source = target_gguf(target.identity.weights_sha256)
+    # a tokenizer source: the packaged default target's GGUF (the tiny target has none)
+    source = target_gguf(packaged_targets()[DEFAULT_PACKAGED].sha256)
     out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
     file = out / export_gguf.GGUF_FILE
     fields = gguf.GGUFReader(str(file)).fields
