@@ -83,16 +83,19 @@ def draft_lengths(cfg: DictConfig, engine: str, pkg: Any) -> tuple[int, list[int
                                                                         or x <= fixed)]
 
 
-def run_engine(engine: str, python: Path, job: dict, timeout_s: int) -> list[dict]:
+def run_engine(engine: str, python: Path, job: dict, timeout_s: int,
+               prefix: list[str] | None = None) -> list[dict]:
     """The job's runs (``runs``; a library's ``exports``) one after another in one fresh process
-    (engines keep global state: a process per call, not per run) -> a result record per run."""
+    (engines keep global state: a process per call, not per run), started under ``prefix``
+    (``run_prefix``: e.g. ``taskset -c 0,1``) -> a result record per run."""
     n = len(job.get("runs") or job.get("exports") or [None])
     with tempfile.TemporaryDirectory(prefix=f"{engine}-job-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         try:
-            done = subprocess.run([str(python), str(RUNNERS / f"{engine}_run.py"), str(job_path),
-                                   str(out_path)], capture_output=True, text=True,
+            cmd = [*(prefix or []), str(python), str(RUNNERS / f"{engine}_run.py"),
+                   str(job_path), str(out_path)]
+            done = subprocess.run(cmd, capture_output=True, text=True,
                                   env=engine_env(engine, python.parents[1]),
                                   timeout=timeout_s * n, check=False)
         except subprocess.TimeoutExpired:
@@ -424,7 +427,8 @@ def run(cfg: DictConfig) -> list[dict]:
             note(f"{f'{engine} {where}'.strip()}: {names} in one process, each paired per prompt "
                  "with plain decoding")
             job = engine_job(engine, cfg, target, records, [run for *_, run in items], server)
-            results = run_engine(engine, python, job, int(cfg.timeout_s))
+            results = run_engine(engine, python, job, int(cfg.timeout_s),
+                                 [str(x) for x in cfg.get("run_prefix") or []])
             for (i, ours_on, k, run), res in zip(items, results):
                 try:
                     rows[i].update(compare(engine, run["name"], ours_on, cfg, loaded, records,
