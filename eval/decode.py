@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftsmith.data.dtype import resolve_dtype
+from draftsmith.data.packaged import PKG_PREFIX
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.checks import (
@@ -93,9 +94,11 @@ def _validate(cfg: DictConfig) -> None:
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
     check_layout(str(cfg.get("batch_layout", "padded")), "batch_layout")
-    if baseline_proposer(cfg.draft) is None and not Path(str(cfg.draft)).expanduser().is_dir():
+    if (baseline_proposer(cfg.draft) is None and not str(cfg.draft).startswith(PKG_PREFIX)
+            and not Path(str(cfg.draft)).expanduser().is_dir()):
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
-                         "draft package or export folder, none (plain decoding) or lookup "
+                         "draft package or export folder, a model sharing the target's "
+                         "vocabulary (pkg:<key> or a folder), none (plain decoding) or lookup "
                          "(prompt lookup)")
     check_out_file("out", cfg.get("out"), {"prompts": cfg.prompts, "draft": cfg.draft})
 

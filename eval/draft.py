@@ -331,16 +331,21 @@ def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
     """A draft package, or an export made by ``scripts/export.py``, as a ``DraftPackage``.
 
     Args:
-        draft: a package folder (``draftsmith.json``) or an export folder (``manifest.json``
-            with ``export_format``: hf / eagle / speculators / medusa).
+        draft: a package folder (``draftsmith.json``), an export folder (``manifest.json``
+            with ``export_format``: hf / eagle / speculators / medusa), or a causal LM sharing
+            the target's vocabulary, used off the shelf as a draft LM (``pkg:<key>`` or a model
+            folder: :mod:`draftsmith.heads.foreign`).
         loaded_target: the ``LoadedTarget`` the draft must have been trained for.
 
     Raises:
         ValueError: the folder is neither a package nor an export.
     """
     from draftsmith.heads.exports import import_export
+    from draftsmith.heads.foreign import is_model_source, model_as_draft
     from draftsmith.heads.package import PACKAGE_JSON, load_package
 
+    if loaded_target is not None and is_model_source(draft):  # off the shelf, with a warning
+        return model_as_draft(draft, loaded_target)
     root = Path(str(draft)).expanduser()
     if (root / PACKAGE_JSON).is_file():
         return load_package(root, target=loaded_target)

@@ -125,6 +125,8 @@ class DraftLMFamily(DraftFamily):
         return [1.0]
 
     def validate_against_target(self, draft_cfg, vocab_size, hidden_size, num_layers):
+        if draft_cfg.get("init_from"):  # the sizes are the starting package's or model's
+            return
         cfg = draft_cfg.get("config") or {}
         hidden, init, n = cfg.get("hidden_size"), cfg.get("init"), cfg.get("num_layers")
         if init == "target" and hidden is not None and hidden != hidden_size:

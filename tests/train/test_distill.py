@@ -110,6 +110,29 @@ def test_init_from_continues_from_a_package(kind, warm_cache, tmp_path):
                                f"out_dir={tmp_path / 'c'}"])
 
 
+def test_a_draft_lm_starts_from_a_sibling_model_sharing_the_vocabulary(warm_cache, tmp_path):
+    """draft.init_from=<a model folder>: the draft LM is that whole model (a smaller sibling of
+    the target with its tokenizer), trained on; its package holds the sibling's shape."""
+    from draftsmith.data.tiny import tiny_target_dir
+    from draftsmith.heads.package import load_package
+
+    sibling = tiny_target_dir(num_layers=1, seed=5, initializer_range=0.3)
+    out = tmp_path / "sib"
+    summary = _run_inprocess(TINY + ["draft=lm", f"draft.init_from={sibling}",
+                                     "train.max_steps=2", f"out_dir={out}"])
+    pkg = load_package(out / "draft")
+    assert pkg.kind == "lm" and pkg.module.config.num_hidden_layers == 1
+    assert pkg.head_config.init == "model" and summary["alpha_hat_init"] != summary["alpha_hat"]
+    start = load_target_weights(sibling)
+    trained = pkg.module.state_dict()
+    assert set(start) <= set(trained)  # the sibling's weights, moved by two steps
+    assert any(not torch.equal(start[k], trained[k]) for k in start if start[k].is_floating_point())
+
+
+def load_target_weights(folder) -> dict:
+    return load_file(str(folder / "model.safetensors"))
+
+
 def test_nan_loss_stops_and_keeps_last_checkpoint(warm_cache, tmp_path):
     from draftsmith.train.checkpoint import latest_checkpoint
     from draftsmith.train.distill import NonFiniteLossError
