@@ -22,6 +22,7 @@ per-position acceptance needs exactly one draft per position.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.draft import build_proposer, load_draft, merge_record, settle
 from draftsmith.eval.kstar import measure_speculation
 from draftsmith.heads.family import DraftFamily, TreeKind
+from draftsmith.heads.foreign import is_model_source
 from draftsmith.heads.package import PACKAGE_JSON
 
 
@@ -53,7 +55,12 @@ def _validate(cfg: DictConfig) -> None:
     if cfg.draft is None or str(cfg.draft).lower() in ("none", "null", "", "lookup"):
         raise ValueError("measure.py needs draft=DIR of a draft package (K* is a property of a "
                          "trained draft)")
-    if not (Path(str(cfg.draft)) / PACKAGE_JSON).is_file():
+    foreign = is_model_source(cfg.draft)  # a model drafting off the shelf: record to out= only
+    if foreign and (cfg.write or not cfg.get("out")):
+        raise ValueError(f"draft={cfg.draft} is not a draft package: there is no "
+                         "speculation.json to write the record into; pass write=false "
+                         "out=FILE to keep it")
+    if not foreign and not (Path(str(cfg.draft)) / PACKAGE_JSON).is_file():
         raise ValueError(f"draft={cfg.draft} is not a draft package (no {PACKAGE_JSON}); K* is "
                          "written into packages, so measure the package an export came from")
     if int(cfg.k_measure) < 1:
@@ -287,6 +294,10 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:  # beside the records of other temperatures (eval.draft.merge_record)
         update_package_json(pkg.path, "speculation.json", merge_record(pkg.speculation, rec))
+    if cfg.get("out"):
+        out = Path(str(cfg.out)).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rec, indent=1))
     return rec
 
 

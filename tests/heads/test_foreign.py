@@ -55,3 +55,19 @@ def test_a_model_with_another_vocabulary_is_refused(tmp_path, decode_setup):
     assert not vocabulary_problems(make_char_tokenizer(), decode_setup["loaded"].tokenizer)
     with pytest.raises(ValueError, match="cannot draft for the target.*vocabularies differ"):
         model_as_draft(other, decode_setup["loaded"])
+
+
+def test_a_sibling_model_is_measured_into_a_file_never_into_its_folder(decode_setup, sibling,
+                                                                       tmp_path):
+    from draftsmith.eval import measure
+
+    args = [f"draft={sibling}", f"target_path={decode_setup['target']}",
+            f"prompts={decode_setup['questions']}", "limit=2", "max_new_tokens=8",
+            "temperature=0", "k_measure=2", "repeats=2", "min_reached=1", "tree_sizes=[]"]
+    before = sorted(p.name for p in sibling.iterdir())
+    with pytest.raises(ValueError, match="not a draft package.*write=false out=FILE"):
+        measure.run_overrides(args)  # write=true by default: there is no package to write into
+    out = tmp_path / "sibling_speculation.json"
+    rec = measure.run_overrides([*args, "write=false", f"out={out}"])
+    assert json.loads(out.read_text())["k_star"] == rec["k_star"] and rec["draft_kind"] == "lm"
+    assert sorted(p.name for p in sibling.iterdir()) == before  # nothing written there
