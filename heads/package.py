@@ -419,8 +419,10 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
     quant = info.get("quantization")
     if quant:  # an int8 copy (scripts/quantize.py): the int8 weights are made from the stored ones
         from draftsmith.heads.quantize import quantize
-        try:
-            quantize(module, quant.get("scheme"), list(quant.get("modules") or []))
+        from draftsmith.heads.weights import stored_int8
+        try:  # (or are stored as int8 already: a release of an int8 copy)
+            quantize(module, quant.get("scheme"), list(quant.get("modules") or []),
+                     stored_int8(root) if not family.hf_model else None)
         except ValueError as e:
             raise PackageIntegrityError(root, [f"{PACKAGE_JSON} quantization: {e}"]) from e
     module.eval()

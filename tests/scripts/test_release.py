@@ -90,6 +90,33 @@ def test_release_weights_over_the_shard_size_are_stored_in_signed_shards(tmp_pat
         load_package(out, target=target)
 
 
+def test_an_int8_package_is_released_as_the_int8_weights_its_decode_uses(tmp_path):
+    from draftsmith.scripts.quantize import quantize_package
+
+    src, _, target = _eagle3_package(tmp_path)
+    q = quantize_package(src, tmp_path / "int8")
+    out = release(q, tmp_path / "rel", command="test")
+    stored = load_file(str(out / WEIGHTS))
+    modules = json.loads((out / "draftsmith.json").read_text())["quantization"]["modules"]
+    assert modules and all(f"{m}.weight" not in stored for m in modules)
+    assert all(stored[f"{m}.weight_int8"].dtype == torch.int8 for m in modules)
+    assert stored["fc.weight"].dtype == torch.bfloat16  # left float by scripts/quantize.py
+    assert json.loads((out / "release.json").read_text())["int8_modules"] == len(modules)
+    bf16 = release(src, tmp_path / "rel16", command="test")
+    assert (out / WEIGHTS).stat().st_size < 0.75 * (bf16 / WEIGHTS).stat().st_size
+    feats = torch.randn(1, 5, 2 * target.model.config.hidden_size, dtype=torch.bfloat16)
+    ids = torch.randint(0, target.model.config.vocab_size, (1, 5))
+    logits = []
+    for pkg_dir in (q, out):  # the float int8 copy and the stored int8 release draft the same
+        head = load_package(pkg_dir, target=target).module.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            logits.append(head.compute_logits(head(feats, ids)).float())
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    head = load_package(src, target=target).module.to(torch.bfloat16).eval()
+    with torch.no_grad():  # (the twin: the float head drafts other logits)
+        assert not torch.equal(head.compute_logits(head(feats, ids)).float(), logits[0])
+
+
 def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(tmp_path):
     src, _, target = _eagle3_package(tmp_path)
     out = release(src, tmp_path / "rel")
