@@ -219,8 +219,11 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     from draftsmith.heads.vocab import TOKEN_FREQUENCY
 
     vocab = int(model.config.vocab_size)
+    own = getattr(pkg.module, "d2t", None) if getattr(pkg.module, "reduced", False) else None
+    if own is not None:  # a reduced head: subsets of its own draft vocabulary
+        vocab = int(own.numel())
     sizes = sorted({int(n) for n in cfg.draft_vocab_sizes if int(n) < vocab})
-    if (not pkg.family.draft_vocab or not sizes or getattr(pkg.module, "reduced", False)
+    if (not pkg.family.draft_vocab or not sizes
             or not (pkg.path / TOKEN_FREQUENCY).is_file()):
         return None
     base_cfg = OmegaConf.merge(cfg, {"k": None, "draft_vocab": "full"})

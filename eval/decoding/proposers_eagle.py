@@ -37,9 +37,10 @@ class EagleProposer(DraftVocabMixin, Proposer):
         topk: branching factor of the dynamic tree (children per expanded node and nodes expanded
             per depth).
         total_tokens: nodes kept after the final rerank of the dynamic tree.
-        vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`) for a
-            full-vocabulary head: only these rows of the LM head are computed and ``q`` is zero
-            elsewhere (lossless, as any ``q``). None: the head's own vocabulary.
+        vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`): only
+            these rows of the LM head are computed (a head with a reduced vocabulary: its own
+            ids among them) and ``q`` is zero elsewhere (lossless, as any ``q``). None: the
+            head's own vocabulary.
         tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
             (:data:`~eval.decoding.tree.TREE_DRAWS`).
     """
@@ -66,12 +67,14 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self.d2t = None if d2t is None else d2t.long().to(self.device)
         self._sub_head: torch.Tensor | None = None
         if vocab_ids is not None:
-            if d2t is not None:
-                raise ValueError("this EAGLE head was trained with a reduced vocabulary "
-                                 f"({d2t.numel()} ids): it drafts over those; use draft_vocab=full")
             ids = torch.as_tensor(vocab_ids).long().to(self.device)
-            self._sub_head = head_rows(head.lm_head, ids, vocab_size)
-            self.d2t = ids
+            if d2t is not None:  # a subset of the head's own draft vocabulary: its rows among ids
+                rows = torch.isin(self.d2t, ids).nonzero().flatten()
+                self._sub_head = head_rows(head.lm_head, rows, int(d2t.numel()))
+                self.d2t = self.d2t[rows]
+            else:
+                self._sub_head = head_rows(head.lm_head, ids, vocab_size)
+                self.d2t = ids
         self.kind = "eagle-tree" if tree else "eagle"
         self.cache = None
         self.n_true = 0
