@@ -9,13 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from draftsmith.data.cache_spec import FORMAT_VERSION, FeatureCacheError
 from draftsmith.data.chat import split_conversations, tokenize_conversations
-from draftsmith.data.features import (
-    FORMAT_VERSION,
-    FeatureCacheError,
-    all_gather,
-    build_feature_cache,
-)
+from draftsmith.data.features import all_gather, build_feature_cache
 from draftsmith.data.regenerate import regenerate_splits
 from draftsmith.data.sharegpt import read_sharegpt, select_conversations
 

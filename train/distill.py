@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from draftsmith.data.feature_data import open_features
-from draftsmith.data.features import logit_softcap, teacher_logits
+from draftsmith.data.teacher import logit_softcap, teacher_logits
 from draftsmith.heads.manifest import write_json_atomic
 from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
 from draftsmith.train import checkpoint as ckpt

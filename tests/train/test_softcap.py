@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from draftsmith.data.features import logit_softcap, teacher_log_normalizer, teacher_logits
+from draftsmith.data.teacher import logit_softcap, teacher_log_normalizer, teacher_logits
 from draftsmith.train.losses import DistillLoss, shared_teacher_rows, teacher_log_probs
 from draftsmith.train.metrics import acceptance_stats
 
