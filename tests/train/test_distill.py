@@ -263,10 +263,10 @@ def _recipe(overrides: list[str]):
 
 def _loss_and_grads(recipe, batch, per_token: bool, fused: bool):
     recipe.cfg.train.teacher_per_token = per_token
-    recipe.loss_fn.fused = fused
+    recipe.objective.loss_fn.fused = fused
     recipe.optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same EAGLE feature noise on both paths
-    loss, parts, _ = recipe.compute_loss(batch)
+    loss, parts, _ = recipe.objective(batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in recipe.draft.module.named_parameters()
              if p.grad is not None}

@@ -210,7 +210,7 @@ def test_indexed_teacher_rows_equal_per_position_copies():
 # ----- the recipe's loss path past the budget ---------------------------------------------------
 def _recipe_loss_and_grads(recipe, batch) -> tuple[float, dict[str, torch.Tensor]]:
     recipe.optimizer.zero_grad(set_to_none=True)
-    loss, _, _ = recipe.compute_loss(batch)
+    loss, _, _ = recipe.objective(batch)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in recipe.draft.module.named_parameters()
                          if p.grad is not None}
@@ -222,7 +222,7 @@ def test_recipe_loss_past_the_budget_equals_the_kept_path(lm_head, tmp_path, mon
     even that is over the budget) give the loss and gradients of the path that keeps them."""
     from accelerate.state import AcceleratorState
 
-    from draftsmith.train import distill
+    from draftsmith.train import objective
     from draftsmith.train.distill import DistillRecipe
 
     AcceleratorState._reset_state(True)
@@ -233,7 +233,7 @@ def test_recipe_loss_past_the_budget_equals_the_kept_path(lm_head, tmp_path, mon
         batch = next(recipe._batches())
         want_loss, want = _recipe_loss_and_grads(recipe, batch)
         calls = []
-        monkeypatch.setattr(distill, "recompute_loss",
+        monkeypatch.setattr(objective, "recompute_loss",
                             lambda n, budget: calls.append(n) or True)
         shared_loss, shared = _recipe_loss_and_grads(recipe, batch)
         assert calls  # the shared table, chunks recomputed
