@@ -11,8 +11,8 @@ import torch
 from conftest import QUESTIONS, draft_package
 
 from draftsmith.eval import decode, measure
+from draftsmith.eval.decoding.cost import parse_costs
 from draftsmith.eval.draft import settle
-from draftsmith.eval.report import parse_costs
 from draftsmith.heads.package import PackageIntegrityError, load_package, update_package_json
 from draftsmith.scripts.export import export_package
 
