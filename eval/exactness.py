@@ -149,7 +149,7 @@ def standin_packages(cfg: DictConfig, model: torch.nn.Module) -> list[Any]:
     for name, raw in OmegaConf.to_container(cfg.standins, resolve=True).items():
         family = get_family(name)
         head_cfg = family.head_config(raw, model.config)
-        out.append(SimpleNamespace(kind=name, family=family, head_config=head_cfg,
+        out.append(SimpleNamespace(family=family, head_config=head_cfg,
                                    module=family.build(head_cfg, model).eval(), name="untrained",
                                    speculation=None, path=None))
     return out

@@ -234,7 +234,7 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     proposer = runs[-1][1]
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {"size": best["size"], "speedup": best["speedup"], "tau": best["tau"],
-            "drafting": {"kind": proposer.kind, "k": k,
+            "drafting": {"kind": proposer.name, "k": k,
                          "tree_size": proposer.total_tokens if getattr(proposer, "tree", False)
                          else None},
             "baseline_tokens_per_s": sum(before_after) / 2, "baseline_before_after": before_after,
@@ -283,7 +283,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     vocab_rec = measure_draft_vocab(model, loaded, pkg, records, cfg, eos, rec)
     if vocab_rec is not None:
         rec["draft_vocab"] = vocab_rec
-    rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
+    rec.update(draft_kind=pkg.family.name, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:  # beside the records of other temperatures (eval.draft.merge_record)
         update_package_json(pkg.path, "speculation.json", merge_record(pkg.speculation, rec))

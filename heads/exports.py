@@ -216,7 +216,7 @@ def import_export(path: str | Path, target: Any = None, allow_unverified: bool =
     module.float().eval()
     spec = root / "speculation.json"
     spec_listed = listed(meta, spec.name) and spec.is_file()
-    return DraftPackage(kind=kind, module=module, head_config=cfg,
+    return DraftPackage(family=family, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(meta["target"]), path=root,
                         info={**info, "export": meta},
                         speculation=json.loads(spec.read_text()) if spec_listed else None)

@@ -69,7 +69,7 @@ class DraftPackage:
     """A loaded draft package.
 
     Attributes:
-        kind: the draft family's name (``heads.family.FAMILIES``).
+        family: the draft's family (``heads.family.FAMILIES``; ``draft_kind`` in its files).
         module: the draft ``nn.Module`` (eval mode).
         head_config: the family's config dataclass.
         identity: the ``TargetIdentity`` the draft was trained for.
@@ -78,17 +78,13 @@ class DraftPackage:
         info: contents of ``draftsmith.json``.
     """
 
-    kind: str
+    family: DraftFamily
     module: nn.Module
     head_config: Any
     identity: Any
     speculation: dict | None
     path: Path
     info: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def family(self) -> DraftFamily:
-        return get_family(self.kind)
 
 
 # ----------------------------------------------------------------------------- verify / write
@@ -426,7 +422,7 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
     module.eval()
     listed_spec = listed(manifest, SPECULATION) and (root / SPECULATION).is_file()
     speculation = json.loads((root / SPECULATION).read_text()) if listed_spec else None
-    return DraftPackage(kind=kind, module=module, head_config=cfg,
+    return DraftPackage(family=family, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(info["target"]), speculation=speculation,
                         path=root, info=info)
 

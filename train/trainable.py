@@ -138,8 +138,9 @@ def _init_package(cfg: DictConfig, target, family: DraftFamily, draft_cfg: dict)
     from draftsmith.heads.package import load_package
 
     pkg = load_package(init_from, target=target)
-    if pkg.kind != family.name:
-        raise ValueError(f"draft.init_from={init_from} holds a '{pkg.kind}' draft, but draft.kind "
-                         f"is '{family.name}': pick the matching draft group (draft={pkg.kind})")
+    held = pkg.family.name
+    if held != family.name:
+        raise ValueError(f"draft.init_from={init_from} holds a '{held}' draft, but draft.kind "
+                         f"is '{family.name}': pick the matching draft group (draft={held})")
     family.check_init_from(pkg.head_config, draft_cfg, init_from)
     return pkg

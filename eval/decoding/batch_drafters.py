@@ -257,8 +257,8 @@ def batch_drafter_for(proposer: Proposer) -> BatchDrafter | None:
     if isinstance(proposer, DraftLMProposer):
         if proposer.tree:
             raise ValueError(f"batched decoding drafts trees with the EAGLE head only: use "
-                             f"tree=chain for the {proposer.kind!r} draft with batch_size > 1")
+                             f"tree=chain for the {proposer.name!r} draft with batch_size > 1")
         return BatchDraftLM(proposer)
-    raise ValueError(f"no batched drafter for the {proposer.kind!r} proposer: batch_size > 1 "
+    raise ValueError(f"no batched drafter for the {proposer.name!r} proposer: batch_size > 1 "
                      "runs the draft LM, the EAGLE head or plain decoding; decode it with "
                      "batch_size=1")

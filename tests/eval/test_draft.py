@@ -22,7 +22,7 @@ OPTIONS = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8,
 
 
 def _pkg(kind: str, spec: dict | None, path: Path | None = None) -> SimpleNamespace:
-    return SimpleNamespace(kind=kind, family=get_family(kind), speculation=spec,
+    return SimpleNamespace(family=get_family(kind), speculation=spec,
                            path=path or Path("/nonexistent"), head_config=None)
 
 

@@ -249,7 +249,7 @@ def test_the_plain_decoder_is_warmed_up_too(lively, records, monkeypatch):
     warmed = []
     real = session.decoder
     monkeypatch.setattr(session, "decoder", lambda model, proposer, recs=(), **kw: (
-        warmed.append((proposer.kind, len(recs))) or real(model, proposer, recs, **kw)))
+        warmed.append((proposer.name, len(recs))) or real(model, proposer, recs, **kw)))
     model = lively[0]
     paired(real(model, PlainProposer(), records, k=0), model, records,
            Sampling(max_new_tokens=3), eos_ids(model))

@@ -121,7 +121,7 @@ def test_package_round_trip_gives_identical_logits(target, tmp_path):
     pkg_dir = save_package(tmp_path / "pkg", "dflash", d, d.cfg, target.identity,
                            target_config=target.model.config)
     pkg = load_package(pkg_dir, target=target)
-    assert pkg.kind == "dflash" and pkg.head_config == d.cfg
+    assert pkg.family.name == "dflash" and pkg.head_config == d.cfg
     assert pkg.info["draft_config"]["architectures"] == ["DFlashDrafter"]
     assert pkg.info["draft_config"]["hidden_act"] == "silu"
     ids = ids_of(1)

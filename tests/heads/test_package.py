@@ -61,7 +61,7 @@ def test_medusa_round_trip_same_outputs(tmp_path):
                                  extra_json={"speculation": {"k_star": 3}})
     pkg = load_package(out, target=target)
     hidden = torch.randn(2, 5, target.model.config.hidden_size)
-    assert pkg.kind == "medusa"
+    assert pkg.family.name == "medusa"
     assert pkg.head_config == MedusaConfig(num_heads=3, num_layers=2)
     assert pkg.speculation == {"k_star": 3}
     assert pkg.identity == target.identity

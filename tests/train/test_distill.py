@@ -56,7 +56,7 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
     from draftsmith.heads.package import load_package
 
     pkg = load_package(out / "draft")
-    assert pkg.kind == kind
+    assert pkg.family.name == kind
     # token_frequency.json (heads/vocab.py): the loss-masked target ids of the training split
     freq = json.loads((out / "draft" / "token_frequency.json").read_text())
     report = json.loads((out / "draft" / "data_report.json").read_text())
