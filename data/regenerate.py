@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.data.attention import native_gqa
+from draftsmith.data.chat_format import PLAIN_CHAT_TEMPLATE, PLAIN_STOP_STRINGS
 from draftsmith.data.sharegpt import Conversation
-from draftsmith.data.target import PLAIN_CHAT_TEMPLATE, PLAIN_STOP_STRINGS, native_gqa
 
 
 def _load_done(path: Path) -> dict[str, Conversation]:

@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 
 from draftsmith.eval.decoding.tree import check_tree_draw
-from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.quantize import FP32_ONLY
 from draftsmith.heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 

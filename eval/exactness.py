@@ -31,13 +31,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from draftsmith.eval import session
-from draftsmith.eval.decode import CONF_DIR, DTYPES
+from draftsmith.eval import CONF_DIR, session
+from draftsmith.eval.decode import DTYPES
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
 from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
 from draftsmith.eval.machine import environment
-from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import TreeKind
 
 # decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too
 TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",),

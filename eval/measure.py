@@ -32,15 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
-from draftsmith.eval import session
+from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.checks import check_noise_tolerance, check_sampling, integer
-from draftsmith.eval.decode import CONF_DIR
 from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.proposers_medusa import medusa_choices
 from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.draft import build_proposer, load_draft, merge_record, settle
 from draftsmith.eval.kstar import measure_speculation
-from draftsmith.heads.family import DraftFamily, TreeKind
+from draftsmith.heads.family_base import DraftFamily, TreeKind
 from draftsmith.heads.package import PACKAGE_JSON
 
 

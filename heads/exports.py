@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.data.target import TargetIdentity
-from draftsmith.heads.family import FAMILIES, WEIGHTS, DraftFamily, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import WEIGHTS, DraftFamily
 from draftsmith.heads.manifest import listed
 from draftsmith.heads.package import DraftPackage, check_target, target_config, verify_package
 

@@ -36,15 +36,14 @@ from typing import Any
 from torch import nn
 
 from draftsmith.data.target import TargetIdentity, TargetMismatchError, sha256_file
-from draftsmith.heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
-from draftsmith.heads.manifest import (  # noqa: F401 (re-exported: the package API)
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import DraftFamily, HeadStateError
+from draftsmith.heads.manifest import (
     CARD,
     MANIFEST,
     SIGNATURE,
     PackageIntegrityError,
     listed,
-    manifest_problems,
-    read_manifest,
     verify_manifest,
     write_json_atomic,
     write_manifest,

@@ -32,16 +32,17 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import decode, session
 from draftsmith.eval.checks import check_out_dir, check_sampling, integer
-from draftsmith.eval.decoding.target_model import native_gqa
 from draftsmith.eval.draft import Measured, load_draft
-from draftsmith.eval.kstar import environment
+from draftsmith.eval.machine import environment
 from draftsmith.eval.markdown import table, write_markdown
 from draftsmith.eval.speedup import paired_speedup
-from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.vocab import FULL
 from draftsmith.scripts.bench_drafts import draft_paths, measured_tree, package_k, speculation_of
 from draftsmith.scripts.bench_fallback import bench_fallback, fallback_markdown

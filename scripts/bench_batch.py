@@ -44,7 +44,7 @@ from draftsmith.eval.checks import check_out_dir, check_sampling, integer
 from draftsmith.eval.decoding.batch import BatchDecoder
 from draftsmith.eval.decoding.proposers import PlainProposer
 from draftsmith.eval.draft import build_proposer, load_draft, settle
-from draftsmith.eval.kstar import environment
+from draftsmith.eval.machine import environment
 from draftsmith.eval.markdown import table, write_markdown
 from draftsmith.eval.speedup import paired_speedup
 from draftsmith.heads.family import FAMILIES

@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data.dtype import matmul_rates
 from draftsmith.eval import CONF_DIR
-from draftsmith.eval.kstar import environment
+from draftsmith.eval.machine import environment
 from draftsmith.eval.markdown import table, write_markdown
 from draftsmith.scripts.tooling import REPO, note, repo_path
 

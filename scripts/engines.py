@@ -322,7 +322,8 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
     from draftsmith.data.target import load_target
     from draftsmith.eval import session
     from draftsmith.eval.draft import load_draft
-    from draftsmith.scripts.export import ExportError, export_package
+    from draftsmith.scripts.export import export_package
+    from draftsmith.scripts.export_formats import ExportError
 
     drafts = [str(d) for d in cfg.drafts]
     if not drafts:

@@ -27,15 +27,16 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.exports import WEIGHTS, fc_columns
+from draftsmith.heads.exports import fc_columns
+from draftsmith.heads.family_base import WEIGHTS
 from draftsmith.heads.package import DraftPackage
 from draftsmith.scripts.export_formats import (
     _refuse,
     _save,
     _speculators_config,
     _write_json,
-    readable_by_older_loaders,
     fused_layer_incompatibilities,
+    readable_by_older_loaders,
 )
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose dflash config this writes

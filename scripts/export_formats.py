@@ -23,10 +23,10 @@ from draftsmith.heads.exports import (
     EAGLE3_LAYER_KEYS,
     EAGLE3_LAYER_PREFIX,
     MEDUSA_WEIGHTS,
-    WEIGHTS,
     fc_columns,
     rename_prefix,
 )
+from draftsmith.heads.family_base import WEIGHTS
 from draftsmith.heads.package import DraftPackage
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes

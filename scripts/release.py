@@ -38,8 +38,10 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval import CONF_DIR
-from draftsmith.heads.family import WEIGHTS, get_family
-from draftsmith.heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import WEIGHTS
+from draftsmith.heads.manifest import MANIFEST
+from draftsmith.heads.package import PACKAGE_JSON, derive_package, verify_folder
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from draftsmith.heads.blocks import DistillTarget
-from draftsmith.heads.family import DraftFamily, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import DraftFamily
 
 
 class DistillModule(nn.Module):

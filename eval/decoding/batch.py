@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
 from draftsmith.eval.decoding.decoder import DecodeResult, _Stopper
 from draftsmith.eval.decoding.k_controller import KController
@@ -37,7 +38,6 @@ from draftsmith.eval.decoding.slots import check_layout, last_valid, pad_rows, s
 from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.decoding.target_model import (
     cache_kwarg,
-    native_gqa,
     sliding_window,
     target_logits,
     tree_ancestor_mask,

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
 from draftsmith.eval.decoding.proposers import (
     DraftLMProposer,
@@ -22,7 +23,7 @@ from draftsmith.eval.decoding.proposers import (
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.slots import SlotCache, last_valid, pad_rows
-from draftsmith.eval.decoding.target_model import cache_kwarg, native_gqa
+from draftsmith.eval.decoding.target_model import cache_kwarg
 from draftsmith.eval.decoding.tree import DynamicTree
 
 

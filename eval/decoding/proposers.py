@@ -31,14 +31,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
-from draftsmith.eval.decoding.target_model import (
-    TargetOutput,
-    cache_kwarg,
-    layer_masks,
-    native_gqa,
-    new_cache,
-)
+from draftsmith.eval.decoding.target_model import TargetOutput, cache_kwarg, layer_masks, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
 
 

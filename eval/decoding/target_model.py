@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.data.target import FORCE_GQA_ENV, native_gqa  # noqa: F401 (FORCE_GQA_ENV: tests)
+from draftsmith.data.attention import native_gqa
 from draftsmith.heads.draft_config import check_attention_layers, text_config
 
 

@@ -7,6 +7,7 @@ from conftest import make_char_tokenizer, make_tiny_target, tiny_llama
 from transformers import AutoTokenizer
 
 from draftsmith.data.chat import assistant_spans, tokenize_conversation
+from draftsmith.data.chat_format import PLAIN_CHAT_TEMPLATE, PLAIN_STOP_STRINGS, apply_chat_format
 from draftsmith.data.feature_data import FeatureDataset
 from draftsmith.data.regenerate import (
     cut_reply,
@@ -15,13 +16,7 @@ from draftsmith.data.regenerate import (
     stop_strings,
 )
 from draftsmith.data.sharegpt import Conversation
-from draftsmith.data.target import (
-    PLAIN_CHAT_TEMPLATE,
-    PLAIN_STOP_STRINGS,
-    apply_chat_format,
-    load_target,
-    tokenizer_sha256,
-)
+from draftsmith.data.target import load_target, tokenizer_sha256
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 plus 2?"},

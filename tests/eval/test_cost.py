@@ -21,7 +21,6 @@ from draftsmith.eval.decoding.cost import (
 )
 from draftsmith.eval.decoding.proposers import DraftLMProposer
 from draftsmith.eval.decoding.target_model import Target
-from draftsmith.eval.kstar import choose_kstar as kstar_choose_kstar
 from draftsmith.eval.kstar import measure_speculation
 from tests.conftest import tiny_llama
 
@@ -88,7 +87,7 @@ def test_parse_costs_one_spelling():
 def speculation_record(alpha: list[float], t_ar: float, t_draft: float,
                        t_verify: dict[int, float], temperature: float = 0.0) -> dict:
     """A speculation.json as eval/kstar.measure_speculation shapes it (string keys, via JSON)."""
-    k_star, sp = kstar_choose_kstar(alpha, Costs(t_ar, t_draft, t_verify))
+    k_star, sp = choose_kstar(alpha, Costs(t_ar, t_draft, t_verify))
     rec = {"k_star": k_star, "expected_speedup": {str(k): v for k, v in sp.items()},
            "alpha": alpha, "measured": {"k": 8, "temperature": temperature},
            "costs": {"t_ar": t_ar, "t_draft": t_draft,

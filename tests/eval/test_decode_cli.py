@@ -13,7 +13,8 @@ from conftest import QUESTIONS, draft_package
 from draftsmith.eval import decode, measure
 from draftsmith.eval.decoding.cost import parse_costs
 from draftsmith.eval.draft import settle
-from draftsmith.heads.package import PackageIntegrityError, load_package, update_package_json
+from draftsmith.heads.manifest import PackageIntegrityError
+from draftsmith.heads.package import load_package, update_package_json
 from draftsmith.scripts.export import export_package
 
 REPO = Path(__file__).resolve().parents[2]

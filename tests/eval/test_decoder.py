@@ -247,7 +247,7 @@ def test_native_gqa_skips_the_kv_copy_and_leaves_the_environment_alone(target_mo
 
     import transformers.integrations.sdpa_attention as sdpa
 
-    from draftsmith.eval.decoding.target_model import FORCE_GQA_ENV, native_gqa
+    from draftsmith.data.attention import FORCE_GQA_ENV, native_gqa
 
     assert target_model.config.num_key_value_heads < target_model.config.num_attention_heads
     copies = []

@@ -15,7 +15,8 @@ from draftsmith.eval.draft import (
     resolve_k,
     settle,
 )
-from draftsmith.heads.family import FAMILIES, TreeKind, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import TreeKind
 
 OPTIONS = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8,
            "medusa_branching": None, "draft_vocab": None, "dtype": "bfloat16", "device": "cpu"}

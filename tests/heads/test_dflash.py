@@ -18,7 +18,8 @@ from draftsmith.eval.draft import DraftSettings, settle
 from draftsmith.heads import dflash, dflash_train
 from draftsmith.heads.dflash import DFlashConfig, DFlashDrafter, build_dflash
 from draftsmith.heads.dflash_train import distill_targets
-from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.package import load_package, save_package
 from draftsmith.train.losses import DistillLoss, shared_teacher_rows
 from draftsmith.train.metrics import acceptance_stats

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.decoding.proposers_medusa import MedusaProposer
 from draftsmith.heads import medusa
-from draftsmith.heads.family import WEIGHTS, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import WEIGHTS
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import PACKAGE_JSON, load_package, save_package
 from draftsmith.train.losses import DistillLoss, shared_teacher_rows

@@ -14,20 +14,12 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
+from draftsmith.data.target import TargetMismatchError, sha256_file
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
-from draftsmith.heads.family import WEIGHTS
+from draftsmith.heads.family_base import WEIGHTS
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import (
-    MANIFEST,
-    PACKAGE_JSON,
-    SIGNATURE,
-    PackageIntegrityError,
-    TargetMismatchError,
-    load_package,
-    save_package,
-    sha256_file,
-    update_package_json,
-)
+from draftsmith.heads.package import PACKAGE_JSON, load_package, save_package, update_package_json
 
 REPO = Path(__file__).resolve().parents[2]
 

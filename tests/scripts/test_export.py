@@ -17,21 +17,16 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.data.target import TargetIdentity
+from draftsmith.data.target import TargetIdentity, TargetMismatchError
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.heads.eagle import EagleConfig, build_eagle
 from draftsmith.heads.exports import WEIGHTS_FILE, import_export
-from draftsmith.heads.manifest import SIGNATURE
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import (
-    MANIFEST,
-    PackageIntegrityError,
-    TargetMismatchError,
-    load_package,
-    save_package,
-)
+from draftsmith.heads.package import load_package, save_package
 from draftsmith.scripts import export_formats
-from draftsmith.scripts.export import ExportError, OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export import OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export_formats import ExportError
 from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,18 +10,12 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_eagle
-from draftsmith.heads.family import WEIGHTS
-from draftsmith.heads.package import (
-    MANIFEST,
-    SIGNATURE,
-    PackageIntegrityError,
-    PackageSignatureError,
-    load_package,
-    save_package,
-    verify_package,
-)
+from draftsmith.heads.family_base import WEIGHTS
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
+from draftsmith.heads.package import load_package, save_package, verify_package
 from draftsmith.heads.signing import (
     RELEASE_KEYS,
+    PackageSignatureError,
     _load_public,
     fingerprint,
     public_key_of,
