@@ -3,9 +3,9 @@
 The LM head is linear and frozen, so ``softmax(lm_head(h_t) / T)`` is exact from the cached
 final-norm hidden state ``h_t``. This is the one place the frozen LM head is applied to cached
 hidden states: the training recipe, the losses and metrics (through
-``train.losses.teacher_log_probs``) and the feature cache's own log-normaliser all call it. It
-lives in ``data/`` because the cache defines what its rows mean and ``data/`` must not import
-``train/``.
+``train.teacher_probs.teacher_log_probs``) and the feature cache's own log-normaliser all call
+it. It lives in ``data/`` because the cache defines what its rows mean and ``data/`` must not
+import ``train/``.
 """
 from __future__ import annotations
 

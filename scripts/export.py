@@ -42,14 +42,10 @@ from safetensors import safe_open
 
 from draftsmith.eval import CONF_DIR
 from draftsmith.heads.exports import FORMATS, format_family
-from draftsmith.heads.family import DraftFamily
-from draftsmith.heads.package import (
-    FORMAT_VERSION,
-    MANIFEST,
-    load_package,
-    staged,
-    write_manifest,
-)
+from draftsmith.heads.family_base import DraftFamily
+from draftsmith.heads.manifest import MANIFEST, write_manifest
+from draftsmith.heads.package import FORMAT_VERSION, load_package
+from draftsmith.heads.publish import staged
 from draftsmith.heads.vocab import TOKEN_FREQUENCY
 from draftsmith.scripts.export_dflash import write_dflash
 from draftsmith.scripts.export_formats import (

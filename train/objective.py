@@ -23,8 +23,9 @@ import torch
 from omegaconf import DictConfig
 
 from draftsmith.data.teacher import teacher_logits
-from draftsmith.train.losses import feature_regression, shared_teacher_rows
+from draftsmith.train.losses import feature_regression
 from draftsmith.train.memory import recompute_loss, shared_teacher_fits
+from draftsmith.train.teacher_probs import shared_teacher_rows
 from draftsmith.train.trainable import TrainableDraft
 
 

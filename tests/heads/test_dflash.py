@@ -21,8 +21,9 @@ from draftsmith.heads.dflash_train import distill_targets
 from draftsmith.heads.family import get_family
 from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.package import load_package, save_package
-from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.losses import DistillLoss
 from draftsmith.train.metrics import acceptance_stats
+from draftsmith.train.teacher_probs import shared_teacher_rows
 
 LAYERS, FUSE, EOS = 4, [3, 1], 2  # fuse_layers out of order: the column order is kept everywhere
 FAMILY = get_family("dflash")

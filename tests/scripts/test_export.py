@@ -612,14 +612,14 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     import logging
     import os
 
-    from draftsmith.heads.package import remove_stale_siblings
+    from draftsmith.heads.publish import remove_stale_siblings
 
     _, _, pkg = lm_package
     out, dead, live = tmp_path / "hf", _dead_pid(), os.getppid()
     for name in (f"hf.tmp-{dead}", f"hf.old-{dead}", f"hf.tmp-{live}", "hf.tmp-notapid"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "half.bin").write_bytes(b"x")
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.publish"):
         export_package(pkg, "hf", out)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["hf", f"hf.tmp-{live}", "hf.tmp-notapid", "lm"]  # a live writer's kept
@@ -632,7 +632,7 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     # without <out>, a dead writer's .old-<pid> is the only previous copy: kept, named
     (tmp_path / f"gone.old-{dead}").mkdir()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.publish"):
         assert remove_stale_siblings(tmp_path / "gone") == []
     assert (tmp_path / f"gone.old-{dead}").is_dir() and "kept (move it back with" in caplog.text
 

@@ -10,7 +10,8 @@ import torch
 from conftest import make_tiny_target
 
 from draftsmith.train.config import ConfigError
-from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.host_memory import usable_memory
+from draftsmith.train.losses import DistillLoss
 from draftsmith.train.memory import (
     MARGIN,
     GiB,
@@ -20,8 +21,8 @@ from draftsmith.train.memory import (
     estimate,
     fitting_options,
     run_shapes,
-    usable_memory,
 )
+from draftsmith.train.teacher_probs import shared_teacher_rows
 from tests.train.launching import TINY
 from tests.train.launching import compose_config as _compose
 
@@ -128,16 +129,16 @@ def test_run_shapes_count_the_built_draft(mode):
 
 
 def test_usable_memory_reads_the_cgroup_limit(tmp_path, monkeypatch):
-    from draftsmith.train import memory
+    from draftsmith.train import host_memory
 
     (tmp_path / "memory.max").write_text(f"{2 * GiB}\n")
     (tmp_path / "memory.stat").write_text(f"anon {GiB // 2}\nfile {GiB}\n")
-    free, source = memory._cgroup_free(tmp_path)
+    free, source = host_memory._cgroup_free(tmp_path)
     assert free == GiB + GiB // 2 and "memory.max 2.0 GiB" in source
     (tmp_path / "memory.max").write_text("max\n")
-    assert memory._cgroup_free(tmp_path) is None
-    monkeypatch.setattr(memory, "_cgroup_free", lambda: (GiB, "cgroup"))
-    monkeypatch.setattr(memory, "_own_resident_bytes", lambda: GiB // 4)
+    assert host_memory._cgroup_free(tmp_path) is None
+    monkeypatch.setattr(host_memory, "_cgroup_free", lambda: (GiB, "cgroup"))
+    monkeypatch.setattr(host_memory, "_own_resident_bytes", lambda: GiB // 4)
     size, source = usable_memory(torch.device("cpu"), processes=2)
     assert size == GiB // 4 + GiB // 2 and "2 local processes" in source
 
