@@ -231,22 +231,10 @@ class DistillLoss(nn.Module):
         teacher = _check_inputs(student_logits, mask, teacher_logits, teacher_hidden,
                                 lm_head_weight, teacher_logp)
         mask = mask.bool()
-        n = mask.sum().clamp(min=1).float()
         terms = list(self.weights)
-        inv = None
-        if "ce_data" in terms:
-            if labels is None:
-                raise ValueError("the ce_data term needs labels (B, T) of target ids")
-            if draft_to_target is not None:
-                # sized from the ids: a teacher given as teacher_logp does not tell the target's
-                # vocabulary size
-                vocab = int(torch.cat([draft_to_target, labels.flatten()]).max()) + 1
-                inv = target_to_draft_index(draft_to_target, vocab)
+        inv = self._label_index(labels, draft_to_target)
         labels_t = labels if labels is not None else torch.zeros_like(mask, dtype=torch.long)
-
         given_log_p = teacher_logp is not None
-        fused_fkl = self.fused
-        need_log_q = not fused_fkl or any(name != "fkl" for name in terms)
 
         def chunk_fn(s: Tensor, t: Tensor, m: Tensor, lab: Tensor) -> Tensor:
             if given_log_p:
@@ -255,33 +243,8 @@ class DistillLoss(nn.Module):
                 with torch.no_grad():
                     log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
                                               draft_to_target, self.renormalize, self.softcap)
-            if need_log_q:
-                log_q = torch.log_softmax(data_teacher.scale_logits(s, self.temperature), dim=-1)
-            out = []
-            for name in terms:
-                if name == "fkl":
-                    v = (fused_forward_kl(s, log_p, self.temperature) if fused_fkl
-                         else forward_kl(log_p, log_q))
-                elif name == "rkl":
-                    v = reverse_kl(log_p, log_q)
-                elif name == "tvd":
-                    v = tvd(log_p, log_q)
-                elif name == "jsd":
-                    v = generalized_jsd(log_p, log_q, self.jsd_beta)
-                elif name == "ce":
-                    v = -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
-                else:  # ce_data
-                    ids = inv[lab] if inv is not None else lab
-                    ok = m & (ids >= 0)
-                    v = -log_q.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-                    out.append(torch.where(ok, v, 0.0).sum())
-                    out.append(ok.sum().float())
-                    continue
-                out.append(torch.where(m, v, 0.0).sum())
-            return torch.stack(out)
+            return self._chunk_sums(s, log_p, m, lab, inv)
 
-        parts: dict[str, Tensor] = {}
-        total = student_logits.new_zeros((), dtype=torch.float32)
         sums = torch.zeros(len(terms) + ("ce_data" in terms), device=student_logits.device)
         # torch.split (not slicing): its backward concatenates the chunk gradients once
         # instead of materialising a full-size zero gradient per chunk. Chunks are
@@ -299,8 +262,62 @@ class DistillLoss(nn.Module):
                 sums = sums + checkpoint(chunk_fn, *args, use_reentrant=False)
             else:
                 sums = sums + chunk_fn(*args)
+        return self._weighted(sums, mask.sum().clamp(min=1).float(), student_logits)
+
+    def _label_index(self, labels: Tensor | None,
+                     draft_to_target: Tensor | None) -> Tensor | None:
+        """For ``ce_data`` over a reduced draft vocabulary: each target id's draft id (-1 where
+        it has none), else None."""
+        if "ce_data" not in self.weights:
+            return None
+        if labels is None:
+            raise ValueError("the ce_data term needs labels (B, T) of target ids")
+        if draft_to_target is None:
+            return None
+        # sized from the ids: a teacher given as teacher_logp does not tell the target's
+        # vocabulary size
+        vocab = int(torch.cat([draft_to_target, labels.flatten()]).max()) + 1
+        return target_to_draft_index(draft_to_target, vocab)
+
+    def _chunk_sums(self, s: Tensor, log_p: Tensor, m: Tensor, lab: Tensor,
+                    inv: Tensor | None) -> Tensor:
+        """One chunk's sums over its counted entries, a sum per term (``ce_data``: the sum and
+        its count), from the student logits ``s`` and the teacher's ``log_p``."""
+        log_q = None
+        if not self.fused or any(name != "fkl" for name in self.weights):
+            log_q = torch.log_softmax(data_teacher.scale_logits(s, self.temperature), dim=-1)
+        out = []
+        for name in self.weights:
+            if name == "ce_data":
+                ids = inv[lab] if inv is not None else lab
+                ok = m & (ids >= 0)
+                v = -log_q.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+                out += [torch.where(ok, v, 0.0).sum(), ok.sum().float()]
+            else:
+                out.append(torch.where(m, self._term(name, s, log_p, log_q), 0.0).sum())
+        return torch.stack(out)
+
+    def _term(self, name: str, s: Tensor, log_p: Tensor, log_q: Tensor | None) -> Tensor:
+        """One term per entry (not ``ce_data``)."""
+        if name == "fkl":
+            return (fused_forward_kl(s, log_p, self.temperature) if self.fused
+                    else forward_kl(log_p, log_q))
+        if name == "rkl":
+            return reverse_kl(log_p, log_q)
+        if name == "tvd":
+            return tvd(log_p, log_q)
+        if name == "jsd":
+            return generalized_jsd(log_p, log_q, self.jsd_beta)
+        return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)  # ce
+
+    def _weighted(self, sums: Tensor, n: Tensor,
+                  like: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The terms' means (over the ``n`` counted entries; ``ce_data`` over its own count)
+        and their weighted sum."""
+        parts: dict[str, Tensor] = {}
+        total = like.new_zeros((), dtype=torch.float32)
         i = 0
-        for name in terms:
+        for name in self.weights:
             if name == "ce_data":
                 value = sums[i] / sums[i + 1].clamp(min=1)
                 i += 2
