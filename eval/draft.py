@@ -137,6 +137,7 @@ class Measured:
     chain_speedup: float | None  # decoding at K* against plain decoding
     tree: MeasuredTree | None
     draft_vocab: int | None  # the fastest draft vocabulary size (None: the whole vocabulary)
+
     @classmethod
     def of(cls, speculation: Mapping | None, dtype: str | None = None,
            device: str | None = None, temperature: float | None = None

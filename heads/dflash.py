@@ -118,7 +118,6 @@ class DFlashConfig(HeadConfig):
         return [math.exp(-(k - 1) / self.gamma) for k in range(1, n + 1)]
 
 
-
 def default_mask_token_id(target_config: Any) -> int:
     """The mask id for ``mask_token_id: auto``: the target's pad id, else its (first) EOS id.
 

@@ -119,7 +119,6 @@ class EagleConfig(HeadConfig):
         return 1 if self.fuse_layers is None else len(self.fuse_layers)
 
 
-
 def head_llama_config(target_config: Any) -> LlamaConfig:
     """The head's one-layer Llama config, derived from the target's (any architecture)."""
     return draft_layer_config(target_config, num_layers=1)

@@ -272,7 +272,6 @@ def test_prepare_data_builds_then_reuses_caches(tmp_path):
         prepare_data(cfg, target, tmp_path / "out")
 
 
-
 def test_prepare_data_regenerates_every_split_in_shared_batches(tmp_path, monkeypatch):
     """data.regenerate: train and val replies come from one regeneration run (a small val split
     does not pay a generation of its own), each split's replies in its own file, and the caches

@@ -308,8 +308,6 @@ def test_bad_draft_vocab_values_are_refused(decode_setup):
         _decode(decode_setup, pkg, "limit=1", "draft_vocab=40")
 
 
-
-
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, tmp_path, kind):
     import shutil
