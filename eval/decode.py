@@ -124,9 +124,9 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         proposer = build_proposer(pkg, plan, loaded, int(model.config.vocab_size), cfg.device,
                                   cfg.dtype)
         k, k_source = plan.k, plan.k_source
-    elif proposer.kind != "plain":
+    elif proposer.name != "plain":
         k, k_source = resolve_k(cfg.k, None)
-    plain = proposer.kind == "plain"
+    plain = proposer.name == "plain"
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
     tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
@@ -158,7 +158,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                "tree_draw": (getattr(proposer, "tree_draw", None)
                              if proposer.tree and float(cfg.temperature) > 0 else None),
                "draft_vocab": getattr(proposer, "draft_vocab", None),
-               "draft_kind": proposer.kind,
+               "draft_kind": proposer.name,
                "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
                "device": str(dec.target.device), "dtype": cfg.dtype,
                "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),

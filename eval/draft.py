@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 
 from draftsmith.eval.decoding.tree import check_tree_draw
-from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.quantize import FP32_ONLY
 from draftsmith.heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
@@ -136,6 +137,7 @@ class Measured:
     chain_speedup: float | None  # decoding at K* against plain decoding
     tree: MeasuredTree | None
     draft_vocab: int | None  # the fastest draft vocabulary size (None: the whole vocabulary)
+
     @classmethod
     def of(cls, speculation: Mapping | None, dtype: str | None = None,
            device: str | None = None, temperature: float | None = None

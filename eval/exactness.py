@@ -31,13 +31,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from draftsmith.eval import session
-from draftsmith.eval.decode import CONF_DIR, DTYPES
+from draftsmith.eval import CONF_DIR, session
+from draftsmith.eval.decode import DTYPES
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
 from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
 from draftsmith.eval.machine import environment
-from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import TreeKind
 
 # decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too
 TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",),
@@ -149,7 +150,7 @@ def standin_packages(cfg: DictConfig, model: torch.nn.Module) -> list[Any]:
     for name, raw in OmegaConf.to_container(cfg.standins, resolve=True).items():
         family = get_family(name)
         head_cfg = family.head_config(raw, model.config)
-        out.append(SimpleNamespace(kind=name, family=family, head_config=head_cfg,
+        out.append(SimpleNamespace(family=family, head_config=head_cfg,
                                    module=family.build(head_cfg, model).eval(), name="untrained",
                                    speculation=None, path=None))
     return out

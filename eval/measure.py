@@ -33,15 +33,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
-from draftsmith.eval import session
+from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.checks import check_noise_tolerance, check_sampling, integer
-from draftsmith.eval.decode import CONF_DIR
 from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.proposers_medusa import medusa_choices
 from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.draft import build_proposer, load_draft, merge_record, settle
 from draftsmith.eval.kstar import measure_speculation
-from draftsmith.heads.family import DraftFamily, TreeKind
+from draftsmith.heads.family_base import DraftFamily, TreeKind
 from draftsmith.heads.foreign import is_model_source
 from draftsmith.heads.package import PACKAGE_JSON
 
@@ -244,7 +243,7 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     proposer = runs[-1][1]
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {"size": best["size"], "speedup": best["speedup"], "tau": best["tau"],
-            "drafting": {"kind": proposer.kind, "k": k,
+            "drafting": {"kind": proposer.name, "k": k,
                          "tree_size": proposer.total_tokens if getattr(proposer, "tree", False)
                          else None},
             "baseline_tokens_per_s": sum(before_after) / 2, "baseline_before_after": before_after,
@@ -293,7 +292,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     vocab_rec = measure_draft_vocab(model, loaded, pkg, records, cfg, eos, rec)
     if vocab_rec is not None:
         rec["draft_vocab"] = vocab_rec
-    rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
+    rec.update(draft_kind=pkg.family.name, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:  # beside the records of other temperatures (eval.draft.merge_record)
         update_package_json(pkg.path, "speculation.json", merge_record(pkg.speculation, rec))

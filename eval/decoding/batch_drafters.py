@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
 from draftsmith.eval.decoding.proposers import (
     DraftLMProposer,
@@ -22,7 +23,7 @@ from draftsmith.eval.decoding.proposers import (
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.slots import SlotCache, last_valid, pad_rows
-from draftsmith.eval.decoding.target_model import cache_kwarg, native_gqa
+from draftsmith.eval.decoding.target_model import cache_kwarg
 from draftsmith.eval.decoding.tree import DynamicTree
 
 
@@ -257,8 +258,8 @@ def batch_drafter_for(proposer: Proposer) -> BatchDrafter | None:
     if isinstance(proposer, DraftLMProposer):
         if proposer.tree:
             raise ValueError(f"batched decoding drafts trees with the EAGLE head only: use "
-                             f"tree=chain for the {proposer.kind!r} draft with batch_size > 1")
+                             f"tree=chain for the {proposer.name!r} draft with batch_size > 1")
         return BatchDraftLM(proposer)
-    raise ValueError(f"no batched drafter for the {proposer.kind!r} proposer: batch_size > 1 "
+    raise ValueError(f"no batched drafter for the {proposer.name!r} proposer: batch_size > 1 "
                      "runs the draft LM, the EAGLE head or plain decoding; decode it with "
                      "batch_size=1")

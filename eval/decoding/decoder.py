@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from draftsmith.eval.decoding.k_controller import KController
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal, Sampling
 from draftsmith.eval.decoding.proposers import Proposer
-from draftsmith.eval.decoding.stats import DecodeStats, KController
+from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.decoding.target_model import Target, TargetOutput
 from draftsmith.eval.decoding.verify import (
     verify_chain,

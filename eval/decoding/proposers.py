@@ -31,14 +31,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
-from draftsmith.eval.decoding.target_model import (
-    TargetOutput,
-    cache_kwarg,
-    layer_masks,
-    native_gqa,
-    new_cache,
-)
+from draftsmith.eval.decoding.target_model import TargetOutput, cache_kwarg, layer_masks, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
 
 
@@ -46,13 +41,13 @@ class Proposer:
     """Base class: the plain decoder (never drafts). Subclasses override the three calls.
 
     Class attributes:
-        kind: short name used in reports.
+        name: short name of the proposer and its mode (``lm-tree``), used in reports.
         lossless: whether the decoder's output distribution equals the target's with this proposer.
         layer_ids: target hidden-state layers the proposer needs (besides the final-norm output).
         tree: whether it drafts trees (several candidates per depth) rather than chains.
     """
 
-    kind = "plain"
+    name = "plain"
     lossless = True
     layer_ids: tuple[int, ...] = ()
     tree = False
@@ -78,7 +73,7 @@ class PromptLookupProposer(Proposer):
     ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) and propose what followed it.
     Candidates are deterministic, so their ``q`` is a point mass (lossless at any temperature)."""
 
-    kind = "lookup"
+    name = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -189,7 +184,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
             (:data:`eval.decoding.tree.TREE_DRAWS`).
     """
 
-    kind = "lm"
+    name = "lm"
 
     def __init__(self, model: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
                  total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
@@ -200,7 +195,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         self.model = model
         self.vocab_size = vocab_size
         self.tree, self.topk, self.total_tokens = tree, topk, total_tokens
-        self.kind = "lm-tree" if tree else "lm"
+        self.name = "lm-tree" if tree else "lm"
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
         self._base: int | None = None  # committed length when the last proposal was drafted

@@ -45,7 +45,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
             (:data:`~eval.decoding.tree.TREE_DRAWS`).
     """
 
-    kind = "eagle"
+    name = "eagle"
 
     def __init__(self, head: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
                  total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
@@ -75,7 +75,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
             else:
                 self._sub_head = head_rows(head.lm_head, ids, vocab_size)
                 self.d2t = ids
-        self.kind = "eagle-tree" if tree else "eagle"
+        self.name = "eagle-tree" if tree else "eagle"
         self.cache = None
         self.n_true = 0
         self._pending_feats: list[torch.Tensor] = []

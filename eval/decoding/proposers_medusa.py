@@ -42,7 +42,7 @@ class MedusaProposer(Proposer):
         ValueError: the heads share the target's LM head and it is not attached.
     """
 
-    kind = "medusa"
+    name = "medusa"
 
     @classmethod
     def for_draft(cls, heads: nn.Module, head_config: Any, vocab_size: int, settings: Any,

@@ -230,7 +230,6 @@ def last_valid(x: Tensor, valid: Tensor) -> Tensor:
     return x[torch.arange(x.shape[0], device=x.device), idx.to(x.device)]
 
 
-
 def check_layout(layout: str, name: str = "layout") -> str:
     """``layout`` if it is one of :data:`LAYOUTS`, else a ValueError naming the setting ``name``."""
     if layout not in LAYOUTS:

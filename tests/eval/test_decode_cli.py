@@ -11,9 +11,10 @@ import torch
 from conftest import QUESTIONS, draft_package
 
 from draftsmith.eval import decode, measure
+from draftsmith.eval.decoding.cost import parse_costs
 from draftsmith.eval.draft import settle
-from draftsmith.eval.report import parse_costs
-from draftsmith.heads.package import PackageIntegrityError, load_package, update_package_json
+from draftsmith.heads.manifest import PackageIntegrityError
+from draftsmith.heads.package import load_package, update_package_json
 from draftsmith.scripts.export import export_package
 
 REPO = Path(__file__).resolve().parents[2]
@@ -305,8 +306,6 @@ def test_bad_draft_vocab_values_are_refused(decode_setup):
     pkg, _ = draft_package(decode_setup, "medusa")
     with pytest.raises(ValueError, match=r"applies to \('lm', 'eagle'\) drafts, not medusa"):
         _decode(decode_setup, pkg, "limit=1", "draft_vocab=40")
-
-
 
 
 @pytest.mark.parametrize("kind", ["lm", "eagle"])

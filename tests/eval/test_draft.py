@@ -15,14 +15,15 @@ from draftsmith.eval.draft import (
     resolve_k,
     settle,
 )
-from draftsmith.heads.family import FAMILIES, TreeKind, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import TreeKind
 
 OPTIONS = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8,
            "medusa_branching": None, "draft_vocab": None, "dtype": "bfloat16", "device": "cpu"}
 
 
 def _pkg(kind: str, spec: dict | None, path: Path | None = None) -> SimpleNamespace:
-    return SimpleNamespace(kind=kind, family=get_family(kind), speculation=spec,
+    return SimpleNamespace(family=get_family(kind), speculation=spec,
                            path=path or Path("/nonexistent"), head_config=None)
 
 

@@ -289,7 +289,7 @@ class WrongQAtDepth3:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.kind, self.layer_ids, self.tree = inner.kind, inner.layer_ids, inner.tree
+        self.name, self.layer_ids, self.tree = inner.name, inner.layer_ids, inner.tree
         self.lossless = True
 
     def reset(self, tokens, target_out) -> None:

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from draftsmith.heads.eagle import EagleConfig
 from draftsmith.heads.exports import FORMATS, format_family
-from draftsmith.heads.family import FAMILIES, HeadStateError, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import HeadStateError
 from draftsmith.heads.medusa import MedusaConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -287,7 +288,8 @@ def test_every_family_builds_an_empty_head_of_the_trained_shapes():
     the base class declares both abstract, so a family without them cannot be created."""
     from draftsmith.heads.draft_lm import DraftLMConfig
     from draftsmith.heads.eagle import EagleConfig
-    from draftsmith.heads.family import DraftFamily, get_family
+    from draftsmith.heads.family import get_family
+    from draftsmith.heads.family_base import DraftFamily
     from draftsmith.heads.medusa import MedusaConfig
 
     target = make_tiny_target()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.eval.markdown import write_markdown
 from draftsmith.heads.family import FAMILIES
 from draftsmith.scripts import engines
 
@@ -92,7 +93,7 @@ def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
             {"draft": "runs/eagle", "format": "speculators", "engine": "vllm", "loads": False,
              "error": "ValidationError: Expected one of: eagle3 | peagle"}]
     path = Path(tmp_path) / "engines.md"
-    engines.write_markdown(rows, path)
+    write_markdown(path, engines.rows_markdown(rows))
     lines = path.read_text().splitlines()
     assert len(lines) == 2 + len(rows)
     assert "| 0.08 0.00 | 0.08 0.00 | True | 25.4 / 34.3 |" in lines[2]

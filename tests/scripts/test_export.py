@@ -17,21 +17,16 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.data.identity import TargetIdentity
+from draftsmith.data.identity import TargetIdentity, TargetMismatchError
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.heads.eagle import EagleConfig, build_eagle
 from draftsmith.heads.exports import WEIGHTS_FILE, import_export
-from draftsmith.heads.manifest import SIGNATURE
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import (
-    MANIFEST,
-    PackageIntegrityError,
-    TargetMismatchError,
-    load_package,
-    save_package,
-)
+from draftsmith.heads.package import load_package, save_package
 from draftsmith.scripts import export_formats
-from draftsmith.scripts.export import ExportError, OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export import OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export_formats import ExportError
 from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -623,14 +618,14 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     import logging
     import os
 
-    from draftsmith.heads.package import remove_stale_siblings
+    from draftsmith.heads.publish import remove_stale_siblings
 
     _, _, pkg = lm_package
     out, dead, live = tmp_path / "hf", _dead_pid(), os.getppid()
     for name in (f"hf.tmp-{dead}", f"hf.old-{dead}", f"hf.tmp-{live}", "hf.tmp-notapid"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "half.bin").write_bytes(b"x")
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.publish"):
         export_package(pkg, "hf", out)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["hf", f"hf.tmp-{live}", "hf.tmp-notapid", "lm"]  # a live writer's kept
@@ -643,7 +638,7 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     # without <out>, a dead writer's .old-<pid> is the only previous copy: kept, named
     (tmp_path / f"gone.old-{dead}").mkdir()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.publish"):
         assert remove_stale_siblings(tmp_path / "gone") == []
     assert (tmp_path / f"gone.old-{dead}").is_dir() and "kept (move it back with" in caplog.text
 

@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 
 from draftsmith.heads.exports import WEIGHTS_FILE, import_export
 from draftsmith.heads.family import get_family
-from draftsmith.heads.package import MANIFEST, save_package
-from draftsmith.scripts.export import ExportError, export_package, tensor_shapes
+from draftsmith.heads.manifest import MANIFEST
+from draftsmith.heads.package import save_package
+from draftsmith.scripts.export import export_package, tensor_shapes
+from draftsmith.scripts.export_formats import ExportError
 from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 FAMILY = get_family("dflash")

@@ -10,17 +10,12 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_eagle
-from draftsmith.heads.package import (
-    MANIFEST,
-    SIGNATURE,
-    PackageIntegrityError,
-    PackageSignatureError,
-    load_package,
-    save_package,
-    verify_package,
-)
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
+from draftsmith.heads.package import load_package, save_package, verify_package
+from draftsmith.heads.weights import WEIGHTS
 from draftsmith.heads.signing import (
     RELEASE_KEYS,
+    PackageSignatureError,
     _load_public,
     fingerprint,
     public_key_of,
@@ -201,7 +196,7 @@ def test_the_committed_release_loads_verifies_and_drafts_inside_its_vocabulary(r
     assert pkg.info["signer"] == fingerprint(_load_public(RELEASE_KEYS / "draftsmith-release.pub"))
     head = pkg.module
     # the engines' EAGLE-3 layout: fused layers below the final norm, so it exports exactly
-    assert pkg.kind == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 27]
+    assert pkg.family.name == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 27]
     assert head.cfg.layout == "eagle3"
     assert load_file(str(root / WEIGHTS))["fc.weight"].dtype == torch.bfloat16
     assert pkg.speculation is not None and pkg.speculation["dtype"] in ("bfloat16", "float32")

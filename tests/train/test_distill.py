@@ -56,7 +56,7 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
     from draftsmith.heads.package import load_package
 
     pkg = load_package(out / "draft")
-    assert pkg.kind == kind
+    assert pkg.family.name == kind
     # token_frequency.json (heads/vocab.py): the loss-masked target ids of the training split
     freq = json.loads((out / "draft" / "token_frequency.json").read_text())
     report = json.loads((out / "draft" / "data_report.json").read_text())
@@ -286,10 +286,10 @@ def _recipe(overrides: list[str]):
 
 def _loss_and_grads(recipe, batch, per_token: bool, fused: bool):
     recipe.cfg.train.teacher_per_token = per_token
-    recipe.loss_fn.fused = fused
+    recipe.objective.loss_fn.fused = fused
     recipe.optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same EAGLE feature noise on both paths
-    loss, parts, _ = recipe.compute_loss(batch)
+    loss, parts, _ = recipe.objective(batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in recipe.draft.module.named_parameters()
              if p.grad is not None}
