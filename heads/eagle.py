@@ -125,7 +125,6 @@ class EagleConfig(HeadConfig):
         return 1 if self.fuse_layers is None else len(self.fuse_layers)
 
 
-
 def head_llama_config(target_config: Any, intermediate_size: int | None = None) -> LlamaConfig:
     """The head's one-layer Llama config, derived from the target's (any architecture), with
     the MLP width ``intermediate_size`` (None: the target's)."""

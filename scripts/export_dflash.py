@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from draftsmith.heads.exports import fc_columns
-from draftsmith.heads.family_base import WEIGHTS
 from draftsmith.heads.package import DraftPackage
+from draftsmith.heads.weights import WEIGHTS
 from draftsmith.scripts.export_formats import (
     _refuse,
     _save,

@@ -26,8 +26,8 @@ from draftsmith.heads.exports import (
     fc_columns,
     rename_prefix,
 )
-from draftsmith.heads.family_base import WEIGHTS
 from draftsmith.heads.package import DraftPackage
+from draftsmith.heads.weights import WEIGHTS
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
 # EAGLE-1 config.json architectures per engine: vLLM renames "LlamaForCausalLM" to

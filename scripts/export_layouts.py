@@ -70,7 +70,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftsmith.heads.exports import MEDUSA_WEIGHTS
-from draftsmith.heads.family_base import WEIGHTS
+from draftsmith.heads.weights import WEIGHTS
 
 # Config keys each format's config.json must carry.
 REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {

@@ -17,7 +17,6 @@ from draftsmith.data.regenerate import (
     stop_strings,
 )
 from draftsmith.data.sharegpt import Conversation
-from draftsmith.data.identity import tokenizer_sha256
 from draftsmith.data.target import load_target
 
 CHAT = [{"role": "system", "content": "Be brief."},

@@ -16,7 +16,6 @@ from draftsmith.data.feature_data import (
     read_manifest,
     verify_cache,
 )
-from draftsmith.data.cache_spec import FeatureCacheError
 from draftsmith.data.features import build_feature_cache
 from draftsmith.data.identity import TargetMismatchError
 from draftsmith.data.teacher import teacher_logits

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.data.identity import TargetMismatchError, sha256_file
+from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import PACKAGE_JSON, load_package, save_package, update_package_json

@@ -12,7 +12,6 @@ from conftest import make_tiny_target
 
 from draftsmith.data.identity import sha256_file
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
-from draftsmith.heads.weights import WEIGHTS
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import load_package, save_package, update_package_json
 from draftsmith.heads.signing import (

@@ -91,7 +91,7 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
 
     from draftsmith.data.packaged import packaged_target, target_gguf
     from draftsmith.scripts import export_gguf
-    target, draft, pkg = lm_package  # the tiny target has SmolLM2's tokenizer: its GGUF's vocabulary
+    target, draft, pkg = lm_package  # the tiny target has SmolLM2's tokenizer
     source = target_gguf(packaged_target("smollm2_135m").sha256)
     out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
     file = out / export_gguf.GGUF_FILE

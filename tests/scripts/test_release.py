@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from draftsmith.heads.eagle import EagleConfig, build_eagle
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.package import load_package, save_package, verify_package
-from draftsmith.heads.weights import WEIGHTS
 from draftsmith.heads.signing import (
     RELEASE_KEYS,
     PackageSignatureError,
