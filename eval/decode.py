@@ -113,16 +113,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer
     records = session.prompt_records(cfg.prompts, tok, cfg.limit)
-    proposer = baseline_proposer(cfg.draft)
-    k, k_source = 0, "plain"
-    if proposer is None:
-        pkg = load_draft(cfg.draft, loaded)
-        plan = settle(cfg, pkg)
-        proposer = build_proposer(pkg, plan, loaded, int(model.config.vocab_size), cfg.device,
-                                  cfg.dtype)
-        k, k_source = plan.k, plan.k_source
-    elif proposer.kind != "plain":
-        k, k_source = resolve_k(cfg.k, None)
+    proposer, k, k_source = make_proposer(cfg, loaded)
     plain = proposer.kind == "plain"
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
@@ -168,6 +159,21 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
+    """The proposer ``cfg.draft`` names, its initial K and where K came from (the target
+    ``loaded`` already in ``cfg.dtype`` on ``cfg.device``)."""
+    proposer = baseline_proposer(cfg.draft)
+    if proposer is None:
+        pkg = load_draft(cfg.draft, loaded)
+        plan = settle(cfg, pkg)
+        proposer = build_proposer(pkg, plan, loaded, int(loaded.model.config.vocab_size),
+                                  cfg.device, cfg.dtype)
+        return proposer, plan.k, plan.k_source
+    if proposer.kind == "plain":
+        return proposer, 0, "plain"
+    return proposer, *resolve_k(cfg.k, None)
 
 
 def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, records: list,
