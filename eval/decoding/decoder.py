@@ -160,6 +160,7 @@ class SpeculativeDecoder:
         while not done:
             remaining = max_new_tokens - len(generated)
             k = min(ctrl.next_k(), remaining - 1)
+            ctx.budget = remaining - 1
             # 1. propose
             t0 = time.perf_counter()
             with self._phase("round.draft"):
