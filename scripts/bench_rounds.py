@@ -13,10 +13,12 @@ through the same loop; its median round is the **plain step** every figure is se
 Speculative rounds only (a fallen-back round is a plain step): medians per round, tokens per
 round, the share of the plain step that drafting and bookkeeping cost, and the paired speedup
 (median over prompts of tokens/s over the mean of that prompt's two plain runs). With
-``profile=true`` one more prompt per method runs under ``torch.profiler``: the ops of each phase
-with the most self time.
+``profile=true`` the first ``profile_tokens`` of one more prompt run under ``torch.profiler``
+per method: the ops of each phase with the most self time.
 
-``out_dir/results.json`` keeps one entry per ``name`` (a run replaces its own name's entry) and
+``out_dir/results.json`` keeps one entry per ``name`` (a run replaces its own name's entry; with
+``merge=true`` only the rows of the methods it ran, so that a long table can be measured in
+several shorter runs, each row with its own date and its own paired plain step) and
 ``out_dir/results.md`` shows them all, with the hardware, versions, date and command.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from draftsmith.data.dtype import matmul_rates, resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import decode, session
 from draftsmith.eval.checks import check_out_dir, check_sampling, integer
+from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.stats import RoundTime
 from draftsmith.eval.machine import environment
 
@@ -162,17 +165,22 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     eos = session.eos_ids(loaded.model)
     dec.round_log, plain.round_log = [], []
     res = session.paired(dec, loaded.model, records, sampling, eos, plain=plain)
-    row = {"method": method, "draft_kind": proposer.kind, "k": k, "k_source": k_source,
+    row = {"method": method, "date": environment(cfg.device)["date"], "draft_kind": proposer.kind,
+           "k": k, "k_source": k_source,
            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
            **summarize(dec.round_log, plain.round_log),
            "tau": res.stats.tau, "speedup": res.speedup,
            "speedup_spread": list(res.speedup_spread or ()), "noisy": res.noisy,
            "matches_plain": res.matches_baseline,
            "plain_tokens_per_s": res.baseline_tokens_per_s,
-           "tokens_per_s": res.stats.tokens_per_s}
+           "tokens_per_s": res.stats.tokens_per_s,
+           # the suffix proposer's rounds: drafted from the match, the package or both
+           "suffix_rounds": dict(proposer.choices) if isinstance(proposer, SuffixProposer)
+           else None}
     if cfg.profile:
-        row["profile"] = profile_phases(dec, extra, sampling, eos, int(cfg.profile_top))
-        row["profile_plain"] = profile_phases(plain, extra, sampling, eos, int(cfg.profile_top))
+        short = session.Sampling(int(cfg.profile_tokens), sampling.temperature, seed=sampling.seed)
+        row["profile"] = profile_phases(dec, extra, short, eos, int(cfg.profile_top))
+        row["profile_plain"] = profile_phases(plain, extra, short, eos, int(cfg.profile_top))
     dec.round_log = plain.round_log = None
     note(f"{method}: draft {row.get('draft_ms', 0):.1f} / verify {row.get('verify_ms', 0):.1f} "
          f"/ bookkeeping {row.get('bookkeeping_ms', 0):.1f} ms per round, plain step "
@@ -183,6 +191,11 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
 # ----------------------------------------------------------------------------- report
 def _f(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def _choices(row: dict) -> str:
+    c = row.get("suffix_rounds")
+    return "-" if not c else f"{c['suffix']} / {c['inner']} / {c['both']}"
 
 
 def markdown(results: dict[str, dict]) -> str:
@@ -208,8 +221,9 @@ def markdown(results: dict[str, dict]) -> str:
                    f"tokens, T = {c['temperature']:g}, adaptive K and fallback: "
                    f"{c['adaptive_k']}"),
                   "", ("| method | K (source) | nodes | draft | verify | bookkeeping | plain "
-                       "step | overhead | tokens / round | tau | speedup | spec. rounds |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                       "step | overhead | tokens / round | tau | speedup | spec. rounds | "
+                       "suffix / draft / both |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["methods"]:
             spread = r.get("speedup_spread") or [None, None]
             sp = (f"{_f(r['speedup'], '.2f')}x ({_f(spread[0], '.2f')}-{_f(spread[1], '.2f')})"
@@ -220,11 +234,12 @@ def markdown(results: dict[str, dict]) -> str:
                 f"{_f(r.get('verify_ms'))} | {_f(r.get('bookkeeping_ms'))} | "
                 f"{_f(r['plain_step_ms'])} | {_f(r.get('overhead_of_plain_step'), '.0%')} | "
                 f"{_f(r.get('tokens_per_round'), '.2f')} | {_f(r['tau'], '.2f')} | {sp} | "
-                f"{r['speculative_rounds']} / {r['rounds']} |")
+                f"{r['speculative_rounds']} / {r['rounds']} | {_choices(r)} |")
         prof = [r for r in res["methods"] if r.get("profile")]
         if prof:
-            lines += ["", ("Top self-time ops per round (`torch.profiler`, one more prompt; ms "
-                           "per round, profiler overhead included):"), ""]
+            lines += ["", ("Top self-time ops per round (`torch.profiler`, the first "
+                           f"{c.get('profile_tokens')} tokens of one more prompt; ms per round, "
+                           "profiler overhead included):"), ""]
             for r in prof:
                 p = r["profile"]
                 for phase in PHASES:
@@ -263,6 +278,11 @@ def run(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
+    if cfg.merge and str(cfg.name) in results:  # keep the other methods' rows of that name
+        ran = {r["method"] for r in rows}
+        entry["methods"] = [r for r in results[str(cfg.name)]["methods"]
+                            if r["method"] not in ran] + rows
+        entry["methods"].sort(key=lambda r: METHODS.index(r["method"]))
     results[str(cfg.name)] = entry
     path.write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(markdown(results))

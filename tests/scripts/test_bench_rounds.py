@@ -16,12 +16,13 @@ def test_round_anatomy_on_a_tiny_target(decode_setup, tmp_path):
     pkg, _ = draft_package(decode_setup, "eagle")
     cfg = OmegaConf.merge(OmegaConf.load(bench_rounds.CONF_FILE), {
         "questions": str(decode_setup["questions"]), "limit": 2, "max_new_tokens": 8,
-        "draft": str(pkg), "methods": ["lookup", "draft"], "adaptive_k": False,
+        "draft": str(pkg), "methods": list(bench_rounds.METHODS), "adaptive_k": False,
         "target_path": str(decode_setup["target"]), "dtype": "float32", "name": "tiny",
         "out_dir": str(tmp_path / "rounds")})
     entry = bench_rounds.run(cfg)
     rows = {r["method"]: r for r in entry["methods"]}
-    assert set(rows) == {"lookup", "draft"}
+    assert set(rows) == {"lookup", "suffix", "draft", "hybrid"}
+    assert rows["draft"]["suffix_rounds"] is None and sum(rows["hybrid"]["suffix_rounds"].values())
     eagle = rows["draft"]
     # fixed K: every round drafts but a prompt's last token (the budget leaves no room)
     assert 0 < eagle["speculative_rounds"] and eagle["rounds"] - eagle["speculative_rounds"] <= 2
@@ -37,8 +38,13 @@ def test_round_anatomy_on_a_tiny_target(decode_setup, tmp_path):
     bench_rounds.run(cfg)
     stored = json.loads((tmp_path / "rounds" / "results.json").read_text())
     assert set(stored) == {"tiny", "again"}
+    cfg.name, cfg.merge, cfg.methods = "tiny", True, ["suffix"]  # one row replaced, others kept
+    bench_rounds.run(cfg)
+    stored = json.loads((tmp_path / "rounds" / "results.json").read_text())
+    assert [r["method"] for r in stored["tiny"]["methods"]] == list(bench_rounds.METHODS)
+    assert stored["tiny"]["methods"][1]["date"] >= stored["tiny"]["methods"][0]["date"]
     md = (tmp_path / "rounds" / "results.md").read_text()
-    assert "## tiny:" in md and "## again:" in md and "| draft (eagle-tree) |" in md
+    assert "## tiny:" in md and "## again:" in md and "| draft (eagle) |" in md  # no record: chain
 
 
 def test_summary_takes_speculative_rounds_against_the_plain_step():
