@@ -12,7 +12,10 @@ forward over the pending token and the drafts (**verify**), and the rest of the 
 through the same loop; its median round is the **plain step** every figure is set against.
 Speculative rounds only (a fallen-back round is a plain step): medians per round, tokens per
 round, the share of the plain step that drafting and bookkeeping cost, and the paired speedup
-(median over prompts of tokens/s over the mean of that prompt's two plain runs). With
+(median over prompts of tokens/s over the mean of that prompt's two plain runs).
+``clock=cpu`` times rounds in the process's CPU time instead of wall time: on a machine shared
+with other work, wall times stretch with the load while CPU time counts this process's own work
+(all its threads: a two-thread matmul counts twice, a Python step once). With
 ``profile=true`` the first ``profile_tokens`` of one more prompt run under ``torch.profiler``
 per method: the ops of each phase with the most self time.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONF_FILE = decode.CONF_DIR / "bench_rounds.yaml"
 METHODS = ("lookup", "suffix", "draft", "hybrid")
 PHASES = ("draft", "verify", "bookkeeping")
+# round timings: wall time, or the process's CPU time (all its threads), which other processes
+# on a shared machine do not inflate (a parallel op counts once per busy thread)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def repo_path(p: str | Path) -> Path:
@@ -78,6 +85,8 @@ def _validate(cfg: DictConfig) -> list[str]:
         if integer(key, cfg[key], "an integer >= 1") < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     check_sampling(cfg.temperature)
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock={cfg.clock!r}: allowed {list(CLOCKS)}")
     bad = [m for m in cfg.methods if m not in METHODS]
     if bad:
         raise ValueError(f"methods: {bad} unknown; allowed {list(METHODS)}")
@@ -164,8 +173,10 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     sampling = session.Sampling.from_config(dcfg)
     eos = session.eos_ids(loaded.model)
     dec.round_log, plain.round_log = [], []
+    dec.round_clock = plain.round_clock = CLOCKS[str(cfg.clock)]
     res = session.paired(dec, loaded.model, records, sampling, eos, plain=plain)
-    row = {"method": method, "date": environment(cfg.device)["date"], "draft_kind": proposer.kind,
+    row = {"method": method, "date": environment(cfg.device)["date"], "clock": str(cfg.clock),
+           "draft_kind": proposer.kind,
            "k": k, "k_source": k_source,
            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
            **summarize(dec.round_log, plain.round_log),
@@ -219,7 +230,7 @@ def markdown(results: dict[str, dict]) -> str:
                   f"- versions: {env['versions']}",
                   (f"- {res['n_prompts']} prompts of `{c['questions']}` x {c['max_new_tokens']} "
                    f"tokens, T = {c['temperature']:g}, adaptive K and fallback: "
-                   f"{c['adaptive_k']}"),
+                   f"{c['adaptive_k']}; rounds timed in {c.get('clock', 'wall')} time"),
                   "", ("| method | K (source) | nodes | draft | verify | bookkeeping | plain "
                        "step | overhead | tokens / round | tau | speedup | spec. rounds | "
                        "suffix / draft / both |"),

@@ -104,6 +104,9 @@ class SpeculativeDecoder:
         self.posterior = (posterior_threshold, posterior_alpha)
         # a list to collect every round's RoundTime (scripts/bench_rounds.py); None: off
         self.round_log: list[RoundTime] | None = None
+        # the clock of those rounds: wall time, or the process's CPU time (time.process_time),
+        # which other processes on a shared machine do not inflate
+        self.round_clock = time.perf_counter
 
     @property
     def lossless(self) -> bool:
@@ -157,20 +160,23 @@ class SpeculativeDecoder:
             self.proposer.reset(prompt + [first], out)
             stats.draft_time_s += time.perf_counter() - t0
         ctx = DecodeContext(prompt + generated, sampling, generator)
+        log = self.round_log is not None
         while not done:
             remaining = max_new_tokens - len(generated)
             k = min(ctrl.next_k(), remaining - 1)
             ctx.budget = remaining - 1
             # 1. propose
             t0 = time.perf_counter()
+            c0 = self.round_clock() if log else 0.0
             with self._phase("round.draft"):
                 proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
             t1 = time.perf_counter()
+            c1 = self.round_clock() if log else 0.0
             # 2. verify: the target's forward, then the acceptance rules
             n_prefix = self.target.seq_len
             with self._phase("round.verify"):
                 out = self._forward(proposal, ctx.tokens[-1])
-            t2 = time.perf_counter()
+            c2 = self.round_clock() if log else 0.0
             with self._phase("round.bookkeeping"):
                 path, nxt, rows, rows_out = self._accept(proposal, out, sampling, generator)
                 # 3. accept: commit the accepted drafts and the next token under the stop rules
@@ -195,7 +201,8 @@ class SpeculativeDecoder:
             stats.verify_time_s += t3 - t1
             # 5. adapt K (or fall back to plain decoding)
             if depth:
-                ctrl.tree = not proposal.is_chain
+                # a tree drafter keeps its depth: adaptive K judges chains of one drafter only
+                ctrl.tree = bool(self.proposer.tree) or not proposal.is_chain
                 ctrl.record(depth, len(proposal), len(path), len(new_tokens),
                             (t1 - t0) + (t4 - t3), t3 - t1)
             else:
@@ -203,9 +210,9 @@ class SpeculativeDecoder:
             if (not done and time_budget_s is not None
                     and time.perf_counter() - t_start > time_budget_s):
                 stopper.reason, done = "time_budget", True
-            if self.round_log is not None:
+            if log:
                 self.round_log.append(RoundTime(depth, len(proposal), len(path), len(new_tokens),
-                                                t1 - t0, t2 - t1, time.perf_counter() - t0))
+                                                c1 - c0, c2 - c1, self.round_clock() - c0))
         stats.wall_time_s = time.perf_counter() - t_start
         stats.tokens_generated = len(generated)
         stats.target_forwards = self.target.forwards
