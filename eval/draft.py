@@ -3,15 +3,17 @@
 Every evaluation tool gets its draft here. :func:`load_draft` reads a draft package or an
 export (manifest and target identity verified either way). :func:`settle` turns the decode
 options (``k``, ``tree``, ``tree_size``, ``medusa_branching``, ``draft_vocab``; null = measured)
-and the package's ``speculation.json`` into one typed :class:`DraftSettings`; the measured values
-count only when they were measured in the same dtype on the same device type
-(:meth:`Measured.of`), taken from the record measured at the nearest temperature (a package may
-hold one per temperature: :func:`merge_record`). :func:`build_proposer` makes the family's
-proposer from them.
+and the package's ``speculation.json`` into one typed :class:`DraftSettings`: the record measured
+in the same dtype on the same device type (:meth:`Measured.of`), else the nearest one (another
+dtype on that device type, :func:`nearest_measured`), taken from the record measured at the
+nearest temperature (a package may hold one per temperature: :func:`merge_record`).
+:func:`build_proposer` makes the family's proposer from them.
 
 ``tree=auto`` means the same for every family: where the dynamic tree and the chain were both
 measured (or only the tree), the faster one; otherwise the family's default
-(``DraftFamily.tree_by_default``). A static tree (Medusa) has no chain to compare with on the
+(``DraftFamily.tree_by_default``) when something was measured, and a chain when nothing was (a
+large tree that was never timed here can decode slower than plain decoding: the release's 60-node
+default ran at 0.61x in fp32). A static tree (Medusa) has no chain to compare with on the
 measured grid, so ``auto`` drafts its tree; a family without trees (DFlash) drafts its chain, and
 ``tree=tree`` is refused for it.
 """
@@ -34,7 +36,7 @@ from draftsmith.heads.quantize import FP32_ONLY
 from draftsmith.heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
-DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
+DEFAULT_TREE_SIZE = 16  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
 DEFAULT_MEDUSA_BRANCHING = (4, 2, 2, 1)  # Medusa tree when neither medusa_branching= nor measured
 
 
@@ -242,6 +244,21 @@ def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
     return (DEFAULT_K, source) if measured is None else (measured.k_star, source)
 
 
+def nearest_measured(speculation: Mapping | None, dtype: str | None, device: str | None,
+                     temperature: float | None) -> tuple[Measured | None, str]:
+    """The record measured for this dtype and device type (:meth:`Measured.of`), else the
+    nearest one: the same device type in another dtype (its K and tree shape, tagged so), else
+    None and why. A record of another device type is not near: costs there differ too much."""
+    m, source = Measured.of(speculation, dtype, device, temperature)
+    if m is not None or dtype is None:
+        return m, source
+    other, _ = Measured.of(speculation, None, device, temperature)
+    if other is None:
+        return None, source
+    rec, _ = record_at(speculation, temperature)
+    return other, f"speculation.json ({rec.get('dtype')}'s record: nearest measured)"
+
+
 # ----------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
 class DraftSettings:
@@ -262,6 +279,23 @@ def _tagged(source: str, tag: str) -> str:
     return f"{source[:-1]}, {tag})" if source.endswith(")") else f"{source} ({tag})"
 
 
+def _draft_vocab(cfg: Mapping[str, Any], pkg: Any, m: Any) -> int | None:
+    """The draft vocabulary to draft over: ``cfg.draft_vocab``, else the measured one (where the
+    token counts travelled with the folder), else None (the draft's whole vocabulary)."""
+    family = pkg.family
+    size = cfg.get("draft_vocab")
+    if family.draft_vocab and size is None:
+        size = m.draft_vocab if m is not None else None
+        if size is not None and not (Path(pkg.path) / TOKEN_FREQUENCY).is_file():
+            size = None  # measured, but the counts did not travel with this folder
+    size = parse_draft_vocab(size)
+    if size is not None and not family.draft_vocab:
+        able = tuple(f.name for f in FAMILIES.values() if f.draft_vocab)
+        raise ValueError(f"draft_vocab={cfg.get('draft_vocab')} applies to {able} drafts, not "
+                         f"{family.name}; use draft_vocab=full")
+    return size
+
+
 def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSettings:
     """The settings for ``pkg`` from the decode options ``cfg`` (null = measured, else default).
 
@@ -272,13 +306,17 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     dtype, device = cfg.get("dtype"), cfg.get("device")
     spec = pkg.speculation if measured else None
     temperature = float(cfg.get("temperature") or 0.0)
-    m, m_source = Measured.of(spec, dtype, device, temperature)
+    m, m_source = nearest_measured(spec, dtype, device, temperature)
     k, k_source = resolve_k(cfg.get("k"), spec, dtype, device, temperature)
+    if m is not None and cfg.get("k") is None:
+        k, k_source = m.k_star, m_source
     mode = TreeMode.parse(cfg.get("tree", "auto"))
     if family.tree is TreeKind.NONE and mode is TreeMode.TREE:
         raise ValueError(f"tree=tree: a {family.name} draft drafts one chain per forward (no "
                          "tree); use tree=chain or tree=auto")
-    use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default)
+    # nothing measured: a short chain (adaptive K), never a large untested tree
+    use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default
+                                         and (m is not None or family.tree is TreeKind.STATIC))
     won = m.tree_won() if m is not None else None
     if mode is TreeMode.AUTO and family.tree is TreeKind.DYNAMIC and won is not None:
         use_tree = won
@@ -311,16 +349,7 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
         k, k_source = measured_k
     elif batch_size > 1 and cfg.get("k") is None:  # said, since K* falls as batches grow
         k_source += " (batch one's; no batch record: scripts/bench_batch.py write=true)"
-    size = cfg.get("draft_vocab")
-    if family.draft_vocab and size is None:
-        size = m.draft_vocab if m is not None else None
-        if size is not None and not (Path(pkg.path) / TOKEN_FREQUENCY).is_file():
-            size = None  # measured, but the counts did not travel with this folder
-    size = parse_draft_vocab(size)
-    if size is not None and not family.draft_vocab:
-        able = tuple(f.name for f in FAMILIES.values() if f.draft_vocab)
-        raise ValueError(f"draft_vocab={cfg.get('draft_vocab')} applies to {able} drafts, not "
-                         f"{family.name}; use draft_vocab=full")
+    size = _draft_vocab(cfg, pkg, m)
     return DraftSettings(k=k, k_source=k_source, tree=use_tree,
                          tree_size=int(tree_size if tree_size is not None else DEFAULT_TREE_SIZE),
                          tree_topk=int(cfg.get("tree_topk", 8)), medusa_branching=branching,

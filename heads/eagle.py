@@ -325,13 +325,27 @@ class EagleHead(nn.Module):
         if position_ids is None:
             position_ids = (torch.arange(seq, device=x.device) + past)[None].expand(bsz, -1)
         mask = self._mask(attention_mask, bsz, seq, past, x.device, dtype)
-        cos_sin = self.rotary_emb(x, position_ids)
+        cos_sin = self._rope(x, position_ids, past + seq)
         if self.eagle3:  # the pre-norm output: the next step's feature; compute_logits norms it
             return self.layer(x, emb, mask, position_ids, past_key_values, cos_sin)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids,
                          cache=past_key_values, use_cache=past_key_values is not None,
                          position_embeddings=cos_sin)
         return self.norm(out)
+
+    def _rope(self, x: Tensor, position_ids: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+        """RoPE's ``(cos, sin)`` at ``position_ids`` (all below ``bound``). Decoding reads them
+        from a table kept between calls (the same values: each position's angles are computed
+        alone); training computes them."""
+        if torch.is_grad_enabled():
+            return self.rotary_emb(x, position_ids)
+        table = getattr(self, "_rope_table", None)
+        if (table is None or table[0].shape[0] < bound or table[0].dtype != x.dtype
+                or table[0].device != x.device):
+            n = max(bound, 2 * (0 if table is None else table[0].shape[0]), 1024)
+            cos, sin = self.rotary_emb(x, torch.arange(n, device=x.device)[None])
+            table = self._rope_table = (cos[0], sin[0])  # (n, d) each
+        return table[0][position_ids], table[1][position_ids]
 
     @staticmethod
     def _mask(attention_mask: Tensor | None, bsz: int, seq: int, past: int,

@@ -94,7 +94,7 @@ def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int |
         "adaptive_k": adaptive, "fallback": adaptive, "tree": tree,
         "tree_topk": int(cfg.tree_topk), "tree_size": cfg.tree_size,
         "medusa_branching": (None if cfg.medusa_branching is None else list(cfg.medusa_branching)),
-        "baseline": False, "dtype": cfg.dtype,
+        "baseline": False, "dtype": cfg.dtype, "suffix": False,  # the package alone
         "device": cfg.device, "seed": int(cfg.seed), "out": None})
     return decode.run(dcfg, loaded)
 

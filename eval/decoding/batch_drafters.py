@@ -44,12 +44,8 @@ class BatchDrafter(ABC):
               generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
         """``logits (B, Vd)`` -> drafted target ids ``(B,)`` and ``q (B, V)`` (None: greedy,
         point masses)."""
-        if sampling.greedy:
-            return self.proposer._to_target(logits.argmax(-1)), None
-        q = sampling.warp(logits)
-        on = q if generator is None else q.to(generator.device)
-        x = torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device)
-        return self.proposer._to_target(x), self.proposer._scatter_q(q)
+        x, q = sampling.pick(logits, generator)
+        return self.proposer._to_target(x), None if q is None else self.proposer._scatter_q(q)
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling,

@@ -273,16 +273,13 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         committed prefix after."""
         tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
                            self._scatter_q, self.tree_draw)
-        frontier = tree.add_children(-1, root_logits)
-        for _ in range(2, depth + 1):
-            expand = tree.expand(frontier)
-            mask, pos = tree.feed(expand, self._base)
-            logits = self._forward([tree.tokens[j] for j in expand],
-                                   position_ids=pos.view(1, -1).to(self.device),
-                                   attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            frontier = []
-            for row, j in enumerate(expand):
-                frontier.extend(tree.add_children(j, logits[row]))
+
+        def forward(nodes: list[int], mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return self._forward([tree.tokens[j] for j in nodes],
+                                 position_ids=pos.view(1, -1).to(self.device),
+                                 attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
+
+        tree.grow(root_logits, depth, self._base, forward)
         self._fed_drafts = 0  # tree nodes are dropped below; accepted ones are re-fed next step
         cached = self._cached()
         if cached > self._base:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -95,6 +96,28 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class RoundTime(NamedTuple):
+    """One round of the decoding loop, timed (``SpeculativeDecoder.round_log``).
+
+    ``draft_s``: the proposer's ``propose``; ``forward_s``: the target's forward over the pending
+    token and the drafts; ``round_s``: the whole round, from ``propose`` to the end of the loop
+    body, so that ``round_s - draft_s - forward_s`` is the bookkeeping (acceptance, commit, cache
+    rollbacks, the proposer's ``accept``, the K controller).
+    """
+
+    depth: int  # deepest drafted position (0: a plain step)
+    nodes: int  # drafted tokens (chain length or tree nodes)
+    accepted: int
+    tokens: int  # committed this round: the accepted drafts and the next token
+    draft_s: float
+    forward_s: float
+    round_s: float
+
+    @property
+    def bookkeeping_s(self) -> float:
+        return self.round_s - self.draft_s - self.forward_s
 
 
 def _at(xs: list[int], i: int) -> int:
