@@ -2,7 +2,8 @@
 
 Every evaluation tool gets its draft here. :func:`load_draft` reads a draft package or an
 export (manifest and target identity verified either way). :func:`settle` turns the decode
-options (``k``, ``tree``, ``tree_size``, ``medusa_branching``, ``draft_vocab``; null = measured)
+options (``k``, ``tree``, ``tree_size``, ``draft_vocab``, and the family's own, e.g. Medusa's
+``medusa_branching``: ``DraftFamily.decode_options``; null = measured)
 and the package's ``speculation.json`` into one typed :class:`DraftSettings`: the record measured
 in the same dtype on the same device type (:meth:`Measured.of`), else the nearest one (another
 dtype on that device type, :func:`nearest_measured`), taken from the record measured at the
@@ -20,10 +21,9 @@ measured grid, so ``auto`` drafts its tree; a family without trees (DFlash) draf
 from __future__ import annotations
 
 import enum
-import importlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,13 +31,12 @@ import torch
 
 from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.heads.family import FAMILIES
-from draftsmith.heads.family_base import TreeKind
+from draftsmith.heads.family_base import TreeKind, load_object
 from draftsmith.heads.quantize import FP32_ONLY
 from draftsmith.heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
 DEFAULT_TREE_SIZE = 16  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
-DEFAULT_MEDUSA_BRANCHING = (4, 2, 2, 1)  # Medusa tree when neither medusa_branching= nor measured
 
 
 class TreeMode(enum.Enum):
@@ -127,7 +126,7 @@ class MeasuredTree:
 
     depth: int
     total_tokens: int
-    branching: tuple[int, ...] | None  # a static (Medusa) tree's branching
+    branching: tuple[int, ...] | None  # a static tree's branching (top-k per position)
     speedup: float | None
 
 
@@ -269,9 +268,9 @@ class DraftSettings:
     tree: bool
     tree_size: int
     tree_topk: int
-    medusa_branching: tuple[int, ...]
     draft_vocab: int | None  # drafted over the most frequent ids (None: the whole vocabulary)
     tree_draw: str = "sample"  # sampled decodes: dynamic-tree children drawn, or the top-k
+    options: Mapping[str, Any] = field(default_factory=dict)  # the family's own decode options
 
 
 def _tagged(source: str, tag: str) -> str:
@@ -327,16 +326,14 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
                     and cfg.get("batch_layout", "padded") != "packed")  # trees: padded only
     use_tree = use_tree and family.tree is not TreeKind.NONE  # whatever was measured
     tree_size = cfg.get("tree_size")
-    branching = tuple(int(b) for b in (cfg.get("medusa_branching") or DEFAULT_MEDUSA_BRANCHING))
     from_tree = use_tree and m is not None and m.tree is not None
+    options, measured_options = family.decode_options(cfg, m.tree if from_tree else None)
     if from_tree and family.tree is TreeKind.DYNAMIC:
         tree_size = m.tree.total_tokens if tree_size is None else tree_size
-    if from_tree and family.tree is TreeKind.STATIC:  # a given branching is kept
-        from_tree = m.tree.branching is not None and not cfg.get("medusa_branching")
-        branching = m.tree.branching if from_tree else branching
+    if from_tree and family.tree is TreeKind.STATIC:  # a given shape is kept
+        from_tree = measured_options
     if from_tree and cfg.get("k") is None:  # the measured tree's depth
-        k, k_source = (m.tree.depth if family.tree is TreeKind.DYNAMIC else len(branching),
-                       _tagged(m_source, "tree"))
+        k, k_source = m.tree.depth, _tagged(m_source, "tree")
         if m.k_star == 0 and (m.tree.speedup or 0.0) < 1.0:
             k, k_source = 0, _tagged(m_source, f"K* = 0, best tree {m.tree.speedup or 0.0:.2f}x")
     measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
@@ -352,9 +349,9 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     size = _draft_vocab(cfg, pkg, m)
     return DraftSettings(k=k, k_source=k_source, tree=use_tree,
                          tree_size=int(tree_size if tree_size is not None else DEFAULT_TREE_SIZE),
-                         tree_topk=int(cfg.get("tree_topk", 8)), medusa_branching=branching,
-                         draft_vocab=size,
-                         tree_draw=check_tree_draw(cfg.get("tree_draw", "sample")))
+                         tree_topk=int(cfg.get("tree_topk", 8)), draft_vocab=size,
+                         tree_draw=check_tree_draw(cfg.get("tree_draw", "sample")),
+                         options=options)
 
 
 # ----------------------------------------------------------------------------- load and build
@@ -402,8 +399,7 @@ def draft_vocab_ids(size: int | None, pkg: Any, loaded_target: Any,
 
 def proposer_class(family: Any) -> type:
     """The family's proposer class (``DraftFamily.proposer``, a dotted path)."""
-    module, _, name = family.proposer.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return load_object(family.proposer)
 
 
 def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_size: int,

@@ -36,18 +36,12 @@ from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.checks import check_noise_tolerance, check_sampling, integer
 from draftsmith.eval.decoding.proposers import Proposer
-from draftsmith.eval.decoding.proposers_medusa import medusa_choices
 from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.draft import build_proposer, load_draft, merge_record, settle
 from draftsmith.eval.kstar import measure_speculation
-from draftsmith.heads.family_base import DraftFamily, TreeKind
+from draftsmith.heads.family import FAMILIES
 from draftsmith.heads.foreign import is_model_source
 from draftsmith.heads.package import PACKAGE_JSON
-
-
-def max_tree_nodes(depth: int, topk: int) -> int:
-    """Most nodes a dynamic tree of ``depth`` can draft: ``topk`` at depth 1, ``topk**2`` below."""
-    return topk + (depth - 1) * topk * topk
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -68,10 +62,8 @@ def _validate(cfg: DictConfig) -> None:
     if bad:
         raise ValueError(f"tree_depths and tree_sizes take values >= 1, got {bad}; pass "
                          "tree_sizes=[] to skip the tree-shape search")
-    bad = [list(b) for b in cfg.medusa_branchings if not b or any(int(x) < 1 for x in b)]
-    if bad:
-        raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
-                         "pass medusa_branchings=[] to skip the Medusa tree-shape search")
+    for family in FAMILIES.values():  # the families' own keys (Medusa's medusa_branchings)
+        family.check_measure_options(cfg)
     bad = [v for v in cfg.draft_vocab_sizes
            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
     if bad:
@@ -98,31 +90,10 @@ def proposer_for(cfg: DictConfig, overrides: dict, loaded: Any, pkg: Any) -> Pro
                           cfg.dtype)
 
 
-def tree_shapes(family: DraftFamily, cfg: DictConfig, head_config: Any) -> list[dict[str, Any]]:
-    """The tree shapes measure.py decodes with, as ``{"depth", "total_tokens", "overrides"}``
-    (plus ``"branching"`` for Medusa): EAGLE and draft LM, the dynamic tree at each (depth, size)
-    of ``tree_depths`` x ``tree_sizes`` (a size larger than a depth can hold, ``topk`` nodes per
-    expanded node and ``topk`` expanded per depth, is the full tree of that depth and is tried
-    once); Medusa, each of ``medusa_branchings`` that the heads can serve; none for a family
-    that drafts chains only (DFlash)."""
-    shapes: list[dict[str, Any]] = []
-    if family.tree is TreeKind.DYNAMIC:
-        topk = int(cfg.tree_topk)
-        for depth in sorted({int(d) for d in cfg.tree_depths}):
-            cap = max_tree_nodes(depth, topk)
-            sizes = sorted({int(n) for n in cfg.tree_sizes})
-            over = [n for n in sizes if n > cap][:1]  # any of them is the full tree
-            sizes = [n for n in sizes if n <= cap] + ([] if cap in sizes else over)
-            shapes += [{"depth": depth, "total_tokens": n,
-                        "overrides": {"tree": "tree", "tree_size": n}} for n in sizes]
-    elif family.tree is TreeKind.STATIC:
-        longest = family.max_draft_length(head_config)
-        for b in cfg.medusa_branchings:
-            b = [int(x) for x in b]
-            if longest is None or len(b) <= longest:
-                shapes.append({"depth": len(b), "total_tokens": len(medusa_choices(b)),
-                               "branching": b,
-                               "overrides": {"tree": "tree", "medusa_branching": b}})
+def tree_shapes(pkg: Any, cfg: DictConfig) -> list[dict[str, Any]]:
+    """The tree shapes measure.py decodes ``pkg`` with (``DraftFamily.tree_shapes``: the dynamic
+    tree's (depth, size) grid, Medusa's static trees, none for chains only), smallest first."""
+    shapes = pkg.family.tree_shapes(cfg, pkg.head_config)
     return sorted(shapes, key=lambda sh: (sh["total_tokens"], sh["depth"]))
 
 
@@ -186,7 +157,7 @@ def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[di
                  cfg: DictConfig, eos: Any) -> dict[str, Any] | None:
     """Decode with each tree shape of :func:`tree_shapes` (:func:`decode_grid`); the fastest
     shape and the grid."""
-    shapes = tree_shapes(pkg.family, cfg, pkg.head_config)
+    shapes = tree_shapes(pkg, cfg)
     if not shapes:
         return None
     grid, before_after, _ = decode_grid(
@@ -281,7 +252,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                               temperature=float(cfg.temperature), repeats=int(cfg.repeats),
                               seed=int(cfg.seed),
                               tree_nodes=sorted({sh["total_tokens"] for sh in
-                                                 tree_shapes(pkg.family, cfg, pkg.head_config)}),
+                                                 tree_shapes(pkg, cfg)}),
                               min_reached=int(cfg.min_reached))
     eos = session.eos_ids(model)
     if cfg.rerun:

@@ -19,15 +19,10 @@ from torch import nn
 
 from draftsmith.data.identity import TargetIdentity
 from draftsmith.heads.family import FAMILIES, get_family
-from draftsmith.heads.family_base import DraftFamily
+from draftsmith.heads.family_base import DraftFamily, ExportFormat, load_object
 from draftsmith.heads.manifest import listed
 from draftsmith.heads.package import DraftPackage, check_target, target_config, verify_package
-from draftsmith.heads.weights import WEIGHTS
 
-FORMATS = tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
-WEIGHTS_FILE = {"hf": WEIGHTS, "gguf": "draft.gguf", "eagle": WEIGHTS, "eagle3": WEIGHTS,
-                "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS, "dflash": WEIGHTS}
 # Tensors of the EAGLE-1 decoder layer (``layers.0.*``; draftsmith's head names it ``layer.*``).
 EAGLE1_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
@@ -42,12 +37,22 @@ EAGLE3_LAYER_KEYS = EAGLE1_LAYER_KEYS + ("input_layernorm.weight", "hidden_norm.
 EAGLE3_LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 
 
+def export_formats() -> tuple[str, ...]:
+    """Every export format of the registered families (``DraftFamily.exports``)."""
+    return tuple(fmt for family in FAMILIES.values() for fmt in family.export_formats)
+
+
 def format_family(fmt: str) -> DraftFamily:
-    """The family whose drafts ``fmt`` holds (``DraftFamily.export_formats``)."""
+    """The family whose drafts ``fmt`` holds (``DraftFamily.exports``)."""
     for family in FAMILIES.values():
         if fmt in family.export_formats:
             return family
-    raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    raise ValueError(f"unknown export format {fmt!r}; choose one of {export_formats()}")
+
+
+def export_format(fmt: str) -> ExportFormat:
+    """The record of ``fmt``: its writer, reader, weights file and engine."""
+    return next(e for e in format_family(fmt).exports if e.name == fmt)
 
 
 def rename_prefix(state: dict[str, torch.Tensor], old: str,
@@ -187,10 +192,6 @@ def _read_dflash(weights: Path, family: DraftFamily, cfg: Any, info: dict,
     return module
 
 
-READERS = {"hf": _read_hf, "gguf": _read_gguf, "medusa": _read_medusa, "eagle": _read_eagle,
-           "eagle3": _read_eagle3, "speculators": _read_speculators, "dflash": _read_dflash}
-
-
 def import_export(path: str | Path, target: Any = None, allow_unverified: bool = False,
                   allow_unsigned: bool = False, trusted_keys: Any = None) -> DraftPackage:
     """Load an export made by ``scripts/export.py`` back into draftsmith's heads (round trip).
@@ -214,7 +215,8 @@ def import_export(path: str | Path, target: Any = None, allow_unverified: bool =
     cfg = family.config_class.from_dict(meta["head_config"])
     info = {"target": meta["target"], "target_config": meta.get("target_config"),
             "signer": signer}
-    module = READERS[fmt](root / WEIGHTS_FILE[fmt], family, cfg, info, target)
+    layout = export_format(fmt)
+    module = load_object(layout.reader)(root / layout.weights_file, family, cfg, info, target)
     module.float().eval()
     spec = root / "speculation.json"
     spec_listed = listed(meta, spec.name) and spec.is_file()

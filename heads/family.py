@@ -7,12 +7,12 @@ decode time (tree kind, a frequent-token draft vocabulary, assisting transformer
 the proposer that drafts with it and the export formats it supports. Training, packages,
 decoding, measuring, benchmarks and export ask the family; none of them branches on its name.
 
-``FAMILIES`` is the one list. Adding a family: a head module in ``heads/``, a ``DraftFamily``
-subclass here registered in ``FAMILIES``, its proposer in ``eval/`` and ``conf/draft/<name>.yaml``.
+``FAMILIES`` is the one list; :func:`register` adds a family defined anywhere (a plugin, a
+test), :func:`unregister` takes it out (ARCHITECTURE.md: "Adding a family").
 
-The proposer is named by its dotted path (resolved in ``eval/draft.py``) rather than imported:
-proposers live on the evaluation floor above ``heads/``, as serving engines keep their model
-registries as lazily resolved names.
+The proposer, the batched drafter and the export writers are named by dotted paths (resolved
+with ``family_base.load_object``) rather than imported: they live on the floors above
+``heads/``, as serving engines keep their model registries as lazily resolved names.
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from draftsmith.heads import dflash, dflash_train, draft_lm, eagle, eagle_ttt, medusa
-from draftsmith.heads.family_base import DraftFamily, HeadStateError, TreeKind
+from draftsmith.heads.family_base import DraftFamily, ExportFormat, HeadShape, TreeKind
+from draftsmith.heads.weights import WEIGHTS
 
-__all__ = ["FAMILIES", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
-           "HeadStateError", "MedusaFamily", "TreeKind", "get_family"]
+__all__ = ["FAMILIES", "DFlashFamily", "DraftLMFamily", "EagleFamily", "MedusaFamily",
+           "get_family", "register", "unregister"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ def resolve_fuse_layers(raw: Mapping[str, Any], target_config: Any) -> dict[str,
         log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
                  raw["fuse_layers"], n)
     return raw
+
+
+def _export(name: str, writer: str, engine: str = "vllm", method: str | None = None,
+            weights_file: str = WEIGHTS, module: str = "export_formats") -> ExportFormat:
+    """Written by ``scripts/<module>.py:<writer>``, read by ``heads.exports._read_<name>``."""
+    return ExportFormat(name, f"draftsmith.scripts.{module}.{writer}",
+                        f"draftsmith.heads.exports._read_{name}", weights_file, engine, method)
 
 
 def _head_on_target(head_class: type, label: str, head_config: Any, target_config: Any,
@@ -87,9 +95,11 @@ class DraftLMFamily(DraftFamily):
     name = "lm"
     config_class = draft_lm.DraftLMConfig
     proposer = "draftsmith.eval.decoding.proposers.DraftLMProposer"
+    batch_drafter = "draftsmith.eval.decoding.batch_drafters.BatchDraftLM"
     draft_vocab = True
     hf_model = True
-    export_formats = ("hf", "gguf")
+    exports = (_export("hf", "_write_hf", method="draft_model"),
+               _export("gguf", "_write_gguf", "llama_cpp", weights_file="draft.gguf"))
     distill_targets = staticmethod(draft_lm.distill_targets)
 
     _WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
@@ -161,7 +171,8 @@ class MedusaFamily(DraftFamily):
     proposer = "draftsmith.eval.decoding.proposers_medusa.MedusaProposer"
     tree = TreeKind.STATIC
     tree_by_default = True
-    export_formats = ("medusa",)
+    exports = (_export("medusa", "_write_medusa", method="medusa",
+                       weights_file=medusa.MEDUSA_WEIGHTS),)
     distill_targets = staticmethod(medusa.distill_targets)
 
     def resolve_config(self, raw, target_config):
@@ -215,8 +226,36 @@ class MedusaFamily(DraftFamily):
                         "head is unset; call module.attach_target(target_model) before decoding")
         return head
 
+    def memory_shape(self, head_config):
+        return HeadShape(own_lm_heads=int(head_config.num_heads) if head_config.lm_head == "own"
+                         else 0)
+
     def max_draft_length(self, head_config):
         return int(head_config.num_heads)
+
+    def decode_options(self, cfg, measured_tree=None):
+        """``medusa_branching`` (top-k per head): given, else measured, else the default."""
+        given = cfg.get("medusa_branching")
+        if given:
+            return {"medusa_branching": tuple(int(b) for b in given)}, False
+        measured = getattr(measured_tree, "branching", None)
+        if measured is not None:
+            return {"medusa_branching": tuple(measured)}, True
+        return {"medusa_branching": medusa.DEFAULT_BRANCHING}, False
+
+    def check_measure_options(self, cfg):
+        bad = [list(b) for b in cfg["medusa_branchings"] if not b or any(int(x) < 1 for x in b)]
+        if bad:
+            raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
+                             "pass medusa_branchings=[] to skip the Medusa tree-shape search")
+
+    def tree_shapes(self, cfg, head_config):
+        """Each static tree of ``medusa_branchings`` that the heads can serve."""
+        longest = self.max_draft_length(head_config)
+        return [{"depth": len(b), "total_tokens": medusa.static_tree_size(b), "branching": b,
+                 "overrides": {"tree": "tree", "medusa_branching": b}}
+                for b in ([int(x) for x in b] for b in cfg["medusa_branchings"])
+                if len(b) <= longest]
 
 
 class EagleFamily(DraftFamily):
@@ -225,10 +264,13 @@ class EagleFamily(DraftFamily):
     name = "eagle"
     config_class = eagle.EagleConfig
     proposer = "draftsmith.eval.decoding.proposers_eagle.EagleProposer"
+    batch_drafter = "draftsmith.eval.decoding.batch_drafters.BatchEagle"
     tree_by_default = True
     batched_tree = True
     draft_vocab = True
-    export_formats = ("eagle", "eagle3", "speculators")
+    exports = (_export("eagle", "_write_eagle", method="eagle"),
+               _export("eagle3", "_write_eagle3", method="eagle3"),
+               _export("speculators", "_write_speculators"))  # served as the model itself
     distill_targets = staticmethod(eagle_ttt.distill_targets)
 
     def build(self, head_config, target_model, token_counts=None):
@@ -255,6 +297,10 @@ class EagleFamily(DraftFamily):
 
     def distill_extra(self, n, layer_ids):
         return {"num_steps": n, "layer_ids": layer_ids}
+
+    def memory_shape(self, head_config):
+        return HeadShape(fused_layers=len(head_config.fuse_layers or []),
+                         reducible_vocab=head_config.draft_vocab_size is None)
 
     def draft_to_target(self, module, head_config):
         if head_config.draft_vocab_size is None:
@@ -301,7 +347,7 @@ class DFlashFamily(DraftFamily):
     config_class = dflash.DFlashConfig
     proposer = "draftsmith.eval.decoding.proposers_dflash.DFlashProposer"
     tree = TreeKind.NONE
-    export_formats = ("dflash",)
+    exports = (_export("dflash", "write_dflash", module="export_dflash"),)
     distill_targets = staticmethod(dflash_train.distill_targets)
 
     def resolve_config(self, raw, target_config):
@@ -325,6 +371,9 @@ class DFlashFamily(DraftFamily):
 
     def distill_extra(self, n, layer_ids):
         return {"num_steps": n, "layer_ids": layer_ids}
+
+    def memory_shape(self, head_config):
+        return HeadShape(fused_layers=len(head_config.fuse_layers or []))
 
     def validate(self, draft_cfg):
         cfg = dflash.DFlashConfig.from_dict(dict(draft_cfg.get("config") or {}))
@@ -373,6 +422,24 @@ class DFlashFamily(DraftFamily):
 
 FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (DraftLMFamily(), MedusaFamily(),
                                                          EagleFamily(), DFlashFamily())}
+
+
+def register(family: DraftFamily) -> DraftFamily:
+    """Add ``family`` to ``FAMILIES`` (``draft.kind=<its name>`` then trains, loads, decodes and
+    exports it); a ValueError when the name or one of its export formats is taken."""
+    if family.name in FAMILIES:
+        raise ValueError(f"a draft family named {family.name!r} is registered already")
+    taken = {fmt for f in FAMILIES.values() for fmt in f.export_formats}
+    clash = sorted(taken & set(family.export_formats))
+    if clash:
+        raise ValueError(f"export formats {clash} of {family.name!r} belong to another family")
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> DraftFamily:
+    """Take the family called ``name`` out of ``FAMILIES`` (a KeyError when it is not there)."""
+    return FAMILIES.pop(name)
 
 
 def get_family(name: str) -> DraftFamily:

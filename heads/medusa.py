@@ -34,6 +34,9 @@ from draftsmith.heads.blocks import (
 
 log = logging.getLogger(__name__)
 LM_HEAD_MODES = ("auto", "own", "shared")
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
+DEFAULT_BRANCHING = (4, 2, 2, 1)  # decode option medusa_branching: the static tree when none
+# was given nor measured
 OWN_LM_HEAD_BYTES = 2 * 1024 ** 3  # lm_head=auto: own LM heads while their training state fits
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two AdamW moments
 
@@ -282,3 +285,13 @@ def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_
         out.append(DistillTarget(heads.head_logits(inputs, i), teacher, mask, labels,
                                  teacher_index=rows))
     return out
+
+
+def static_tree_size(branching: list[int] | tuple[int, ...]) -> int:
+    """Nodes of the static tree ``branching`` drafts: the top ``branching[d-1]`` tokens of head
+    ``d-1`` under every node of the depth above (a Cartesian product), summed over depths."""
+    total, width = 0, 1
+    for b in branching:
+        width *= int(b)
+        total += width
+    return total

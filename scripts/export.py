@@ -41,17 +41,15 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.eval import CONF_DIR
-from draftsmith.heads.exports import FORMATS, format_family
-from draftsmith.heads.family_base import DraftFamily
+from draftsmith.heads.exports import export_format, export_formats, format_family
+from draftsmith.heads.family_base import DraftFamily, load_object
 from draftsmith.heads.manifest import MANIFEST, write_manifest
 from draftsmith.heads.package import FORMAT_VERSION, load_package
 from draftsmith.heads.publish import staged
 from draftsmith.heads.vocab import TOKEN_FREQUENCY
-from draftsmith.scripts.export_dflash import write_dflash
 from draftsmith.scripts.export_formats import (
     REFERENCE_FILES,
     REFERENCE_WITH_EMBEDDING,
-    WRITERS,
     ExportError,
     WriteOptions,
     _write_json,
@@ -61,7 +59,6 @@ __all__ = ["ExportError", "OutPathError", "check_out", "export_package", "tensor
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
-FORMAT_WRITERS = {**WRITERS, "dflash": write_dflash}  # the writer of each format
 
 
 class OutPathError(ValueError):
@@ -140,7 +137,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
 
     Args:
         draft: the draft package folder.
-        fmt: one of ``FORMATS``.
+        fmt: one of ``heads.exports.export_formats()`` (the families' ``exports``).
         out: the export folder: new, empty, or (``overwrite``) a previous export of this same
             package; never the package itself, a folder inside it or one holding it
             (:func:`check_out`).
@@ -167,8 +164,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     Raises:
         OutPathError: writing ``out`` would lose files (nothing was written).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    if fmt not in export_formats():
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {export_formats()}")
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     check_out(Path(draft), Path(out), overwrite)
@@ -208,7 +205,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                             legacy_speculators,
                             None if gguf_vocab_from is None else str(gguf_vocab_from),
                             reference_files)
-        FORMAT_WRITERS[fmt](pkg, tmp, opts)
+        load_object(export_format(fmt).writer)(pkg, tmp, opts)
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
         if (pkg.path / TOKEN_FREQUENCY).is_file():  # the draft vocabulary of speculation.json

@@ -22,10 +22,10 @@ from draftsmith.heads.exports import (
     EAGLE1_LAYER_KEYS,
     EAGLE3_LAYER_KEYS,
     EAGLE3_LAYER_PREFIX,
-    MEDUSA_WEIGHTS,
     fc_columns,
     rename_prefix,
 )
+from draftsmith.heads.medusa import MEDUSA_WEIGHTS
 from draftsmith.heads.package import DraftPackage
 from draftsmith.heads.weights import WEIGHTS
 
@@ -413,9 +413,3 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None
         "torch_dtype": str(dtype).removeprefix("torch."),
         "transformers_version": transformers.__version__,
         "speculators_config": _speculators_config(pkg, opts, "eagle")})
-
-
-# the writer of each format written here; scripts/export.py adds dflash's (scripts/export_dflash.py,
-# which builds on the helpers above)
-WRITERS = {"hf": _write_hf, "gguf": _write_gguf, "medusa": _write_medusa, "eagle": _write_eagle,
-           "eagle3": _write_eagle3, "speculators": _write_speculators}

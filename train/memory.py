@@ -40,6 +40,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from draftsmith.heads.family import get_family
 from draftsmith.train.config import ConfigError
 from draftsmith.train.host_memory import size_text, usable_memory
 from draftsmith.train.teacher_probs import TEACHER_CHUNK_ELEMENTS
@@ -291,9 +292,7 @@ def run_shapes(cfg: DictConfig, target_model: nn.Module, draft: Any,
                      and (p.is_meta or p.untyped_storage().data_ptr() not in own))
     width = sum(m.in_features + m.out_features for m in draft.module.modules()
                 if isinstance(m, nn.Linear) and m.out_features not in (vocab, vd))
-    head = draft.head_config
-    fused = len(getattr(head, "fuse_layers", None) or [])
-    own_heads = getattr(head, "num_heads", 0) if getattr(head, "lm_head", None) == "own" else 0
+    shape = get_family(draft.kind).memory_shape(draft.head_config)
     loss = cfg.loss
     weights = {k for k, w in (OmegaConf.select(cfg, "loss.weights") or {}).items() if w}
     temperature = float(OmegaConf.select(cfg, "loss.temperature", default=1.0))
@@ -306,7 +305,7 @@ def run_shapes(cfg: DictConfig, target_model: nn.Module, draft: Any,
         largest_trainable=max((p.numel() for p in trainable), default=0),
         param_bytes=max((p.element_size() for p in trainable), default=4),
         frozen_draft_bytes=frozen, target_bytes=target_bytes, activation_width=width,
-        feature_width=hidden * (1 + fused),
+        feature_width=hidden * (1 + shape.fused_layers),
         logits_bytes=2 if mp in ("bf16", "fp16") else 4,
         teacher_budget=int(cfg.train.teacher_logits_budget),
         teacher_per_token=bool(cfg.train.teacher_per_token),
@@ -314,8 +313,8 @@ def run_shapes(cfg: DictConfig, target_model: nn.Module, draft: Any,
                             and temperature == 1.0 and not loss.get("renormalize", False)),
         fused_fkl_only=weights == {"fkl"} and bool(loss.get("fused", True)),
         loss_chunk=int(loss.get("chunk_size", 256)), cuda=cuda,
-        own_lm_head_params=own_heads * vocab * hidden,
-        reducible_vocab=d2t is None and getattr(head, "draft_vocab_size", False) is None,
+        own_lm_head_params=shape.own_lm_heads * vocab * hidden,
+        reducible_vocab=d2t is None and shape.reducible_vocab,
         mixed_precision=mp)
 
 

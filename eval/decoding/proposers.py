@@ -19,7 +19,8 @@ lookup, draft LM); EAGLE lives in :mod:`eval.decoding.proposers_eagle`, Medusa i
 :mod:`eval.decoding.proposers_medusa`, what passes between decoder and proposer (``Sampling``,
 ``DecodeContext``, ``Proposal``) in :mod:`eval.decoding.proposal` and the dynamic tree both EAGLE
 and the draft LM draft with in :mod:`eval.decoding.tree`. A batch of prompts runs a proposer's
-draft through the batched drafter :func:`eval.decoding.batch_drafters.batch_drafter_for` picks.
+draft through the batched drafter its family names (:func:`eval.decoding.batch_drafters.
+batch_drafter_for`). A family's proposer is built by :meth:`Proposer.for_draft`.
 """
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ class Proposer:
     lossless = True
     layer_ids: tuple[int, ...] = ()
     tree = False
+
+    @classmethod
+    def for_draft(cls, module: nn.Module, head_config: Any, vocab_size: int, settings: Any,
+                  vocab_ids: torch.Tensor | None = None) -> Proposer:
+        """The proposer drafting with a family's trained ``module`` (``DraftFamily.proposer``
+        names the class; ``eval.draft.build_proposer`` calls this).
+
+        Args:
+            module: the draft module, on its device and dtype, in eval mode.
+            head_config: the family's head config.
+            vocab_size: the target's vocabulary size.
+            settings: how it drafts in this run (``eval.draft.DraftSettings``: ``k``, ``tree``,
+                the tree's shape, the family's own ``options``).
+            vocab_ids: sorted target ids to draft over (None: the whole vocabulary).
+        """
+        raise NotImplementedError(f"{cls.__name__} drafts with no trained module")
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         """Start a request (see module docstring)."""

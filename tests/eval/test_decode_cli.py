@@ -218,10 +218,10 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(decode_setup, tmp_path):
         "summary"]["k_source"] != "speculation.json (tree)"
     medusa = load_package(pkg)
     plan = settle({**PLAN, "dtype": "float32"}, medusa)
-    assert (list(plan.medusa_branching), plan.k_source) == (tree["branching"],
+    assert (list(plan.options["medusa_branching"]), plan.k_source) == (tree["branching"],
                                                             "speculation.json (tree)")
     plan = settle({**PLAN, "dtype": "bfloat16"}, medusa)  # measured in another dtype
-    assert (plan.medusa_branching, plan.k_source[:7]) == ((4, 2, 2, 1), "default")
+    assert (plan.options["medusa_branching"], plan.k_source[:7]) == ((4, 2, 2, 1), "default")
     # K* = 0 and the best tree a loss too: the default is plain decoding
     update_package_json(pkg, "speculation.json", {**rec, "k_star": 0,
                                                   "tree": {**tree, "speedup": 0.9}})

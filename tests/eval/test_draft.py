@@ -17,6 +17,7 @@ from draftsmith.eval.draft import (
 )
 from draftsmith.heads.family import FAMILIES, get_family
 from draftsmith.heads.family_base import TreeKind
+from draftsmith.heads.medusa import DEFAULT_BRANCHING
 
 OPTIONS = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8,
            "medusa_branching": None, "draft_vocab": None, "dtype": "bfloat16", "device": "cpu"}
@@ -82,13 +83,14 @@ def test_medusa_branching_is_measured_unless_given_and_kstar_zero_with_a_losing_
             "measured_speedup": {"speedup": 3.0},  # a static tree is not compared with chains
             "tree": {"depth": 2, "total_tokens": 6, "branching": [3, 1], "speedup": 1.1}}
     plan = _plan("medusa", spec)
-    assert (plan.tree, plan.medusa_branching, plan.k, plan.k_source) == (
+    assert (plan.tree, plan.options["medusa_branching"], plan.k, plan.k_source) == (
         True, (3, 1), 2, "speculation.json (tree)")
     plan = _plan("medusa", spec, medusa_branching=[2, 2, 1])
-    assert (plan.medusa_branching, plan.k, plan.k_source) == ((2, 2, 1), 2, "speculation.json")
+    assert (plan.options["medusa_branching"], plan.k, plan.k_source) == (
+        (2, 2, 1), 2, "speculation.json")
     plan = _plan("medusa", {**spec, "k_star": 0, "tree": {**spec["tree"], "speedup": 0.9}})
     assert (plan.k, plan.k_source) == (0, "speculation.json (K* = 0, best tree 0.90x)")
-    assert _plan("medusa", None).medusa_branching == draft.DEFAULT_MEDUSA_BRANCHING
+    assert _plan("medusa", None).options["medusa_branching"] == DEFAULT_BRANCHING
 
 
 def test_resolve_k_uses_k_star_only_for_the_dtype_and_device_it_was_measured_on():

@@ -364,7 +364,7 @@ def test_the_context_cache_after_accepting_several_drafts(target):
 def test_chains_only_and_no_batches(target):
     d = drafter(target).eval()
     chain = DraftSettings(k=3, k_source="config", tree=False, tree_size=10, tree_topk=2,
-                          medusa_branching=(1,), draft_vocab=None)
+                          draft_vocab=None)
     assert isinstance(DFlashProposer.for_draft(d, d.cfg, 96, chain), DFlashProposer)
     with pytest.raises(ValueError, match="no tree"):
         DFlashProposer.for_draft(d, d.cfg, 96, DraftSettings(**{**chain.__dict__, "tree": True}))

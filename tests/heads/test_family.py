@@ -12,9 +12,9 @@ from conftest import make_tiny_target, randomize
 from omegaconf import OmegaConf
 
 from draftsmith.heads.eagle import EagleConfig
-from draftsmith.heads.exports import FORMATS, format_family
+from draftsmith.heads.exports import export_format, export_formats, format_family
 from draftsmith.heads.family import FAMILIES, get_family
-from draftsmith.heads.family_base import HeadStateError
+from draftsmith.heads.family_base import HeadStateError, load_object
 from draftsmith.heads.medusa import MedusaConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -259,13 +259,23 @@ def test_check_init_from_refuses_an_eagle_package_fusing_other_layers():
 def test_export_formats_are_disjoint_and_each_names_its_family():
     per_family = [set(f.export_formats) for f in FAMILIES.values()]
     assert all(per_family)
-    assert sum(len(s) for s in per_family) == len(set().union(*per_family)) == len(FORMATS)
+    assert sum(len(s) for s in per_family) == len(set().union(*per_family)) == len(
+        export_formats())
     for family in FAMILIES.values():
         for fmt in family.export_formats:
             assert format_family(fmt) is family
+            layout = export_format(fmt)
+            assert callable(load_object(layout.writer)) and callable(load_object(layout.reader))
     assert {f.name: f.export_formats for f in FAMILIES.values()} == {
         "lm": ("hf", "gguf"), "medusa": ("medusa",), "eagle": ("eagle", "eagle3", "speculators"),
         "dflash": ("dflash",)}
+
+
+def test_the_bench_configs_have_a_key_per_family_they_run():
+    bench = OmegaConf.load(REPO / "conf" / "eval" / "bench.yaml")
+    batch = OmegaConf.load(REPO / "conf" / "eval" / "bench_batch.yaml")
+    assert all(name in bench for name in FAMILIES)
+    assert {f.name for f in FAMILIES.values() if f.batch_drafter} <= set(batch)
 
 
 def test_num_positions_and_default_position_weights_per_family():

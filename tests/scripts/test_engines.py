@@ -11,9 +11,11 @@ from draftsmith.scripts import engines
 
 
 def test_every_export_format_has_an_engine_to_run_it():
-    formats = {fmt for family in FAMILIES.values() for fmt in family.export_formats}
-    assert formats == set(engines.FORMAT_ENGINE)
-    assert {engine for engine, _ in engines.FORMAT_ENGINE.values()} <= set(engines.ENVS)
+    layouts = [e for family in FAMILIES.values() for e in family.exports]
+    assert {e.engine for e in layouts} <= set(engines.ENVS)
+    assert {e.name: e.method for e in layouts if e.engine == "vllm"} == {
+        "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "hf": "draft_model",
+        "speculators": None, "dflash": None}
 
 
 def test_acceptance_per_position_is_accepted_over_speculative_steps():

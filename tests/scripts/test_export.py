@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
 from draftsmith.data.identity import TargetIdentity, TargetMismatchError
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.heads.eagle import EagleConfig, build_eagle
-from draftsmith.heads.exports import WEIGHTS_FILE, import_export
+from draftsmith.heads.exports import export_format, import_export
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import load_package, save_package
@@ -44,7 +44,7 @@ def _conforms(out: Path, fmt: str) -> None:
     for name in REQUIRED_FILES[fmt] + (MANIFEST,):
         assert (out / name).is_file(), f"{fmt} export lacks {name}"
     config = json.loads((out / "config.json").read_text())
-    assert layout_problems(fmt, config, tensor_shapes(out / WEIGHTS_FILE[fmt])) == []
+    assert layout_problems(fmt, config, tensor_shapes(out / export_format(fmt).weights_file)) == []
     manifest = json.loads((out / MANIFEST).read_text())
     assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir()
                                                if p.name not in (MANIFEST, SIGNATURE))
@@ -141,7 +141,7 @@ def test_reference_library_files_are_optional_extras_with_the_same_tensors(tmp_p
         out = export_package(pkg, fmt, tmp_path / fmt, reference_files=True, target=target)
         _conforms(out, fmt)  # the manifest lists the extra file
         ref = torch.load(out / name, weights_only=True)
-        stored = load_file(str(out / WEIGHTS_FILE[fmt]))
+        stored = load_file(str(out / export_format(fmt).weights_file))
         assert set(ref) - set(stored) == ({"embed_tokens.weight"} if fmt == "eagle" else set())
         for k, v in stored.items():
             assert torch.equal(ref[k], v), k
