@@ -67,12 +67,24 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py $(TRAIN_ARGS)
 	$(BIN)/python scripts/bench.py $(ARGS)
 	$(BIN)/python scripts/bench_batch.py $(BATCH_ARGS)
+	$(BIN)/python scripts/bench_rounds.py $(ROUNDS_ARGS)
 
 engines: $(STAMP)
 	$(BIN)/python scripts/engines.py $(ARGS)
 
+# Indentation, whitespace and blank lines between definitions (pycodestyle's E1, E2, E3, W391):
+# preview rules in ruff, named one by one so that no other preview rule comes with them. The
+# other rules, complexity included, are pyproject.toml's [tool.ruff.lint].
+LAYOUT_RULES := E111 E112 E113 E114 E115 E116 E117 E201 E202 E203 E204 E211 E221 E222 E223 \
+	E224 E225 E226 E227 E228 E231 E241 E242 E251 E252 E261 E262 E265 E266 E271 E272 E273 E274 \
+	E275 E301 E302 E303 E304 E305 E306 W391
+comma := ,
+space := $(subst ,, )
+
 lint: $(STAMP)
-	$(BIN)/ruff check train heads data eval scripts tests
+	$(BIN)/ruff check $(SOURCES) tests
+	$(BIN)/ruff check --preview --select $(subst $(space),$(comma),$(strip $(LAYOUT_RULES))) \
+		$(SOURCES) tests
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

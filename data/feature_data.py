@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from draftsmith.data import features
-from draftsmith.data.features import DTYPES, TOKEN_COUNTS, FeatureCacheError
+from draftsmith.data.cache_spec import DTYPES, TOKEN_COUNTS, FeatureCacheError
+from draftsmith.data.final_layer import final_from_layer
 from draftsmith.data.identity import TargetIdentity, sha256_file
 
 
@@ -185,7 +186,7 @@ class OnlineFeatures(torch.utils.data.Dataset):
         final = self.model.config.num_hidden_layers
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
         rows = [{"input_ids": x["input_ids"].tolist()} for x in batch]
-        feats = features._forward(self.model, rows, self.layers, self.dtype, pad_id)
+        feats = features.target_features(self.model, rows, self.layers, self.dtype, pad_id)
         items = []
         for x, f in zip(batch, feats):
             item = {**x, "hidden": f["hidden"], "teacher_lse": f["teacher_lse"]}
@@ -199,7 +200,7 @@ class OnlineFeatures(torch.utils.data.Dataset):
 class RecomputedFinal(OnlineFeatures):
     """A cache without the final hidden state (``data.features=recompute_final``): each batch's
     final hidden states come from its cached layer ``final_from`` through the target's last
-    layers and final norm (:func:`~data.features.final_from_layer`), cast to the cache dtype as
+    layers and final norm (:func:`~data.final_layer.final_from_layer`), cast to the cache dtype as
     a stored one would be; the rest is read from the cache."""
 
     def __init__(self, cached: FeatureDataset, model: torch.nn.Module) -> None:
@@ -211,7 +212,7 @@ class RecomputedFinal(OnlineFeatures):
         """Recompute the batch's final hidden states, then :func:`collate_features`."""
         row = self.layers.index(self.final_from)
         h = torch.nn.utils.rnn.pad_sequence([x["layers"][row] for x in batch], batch_first=True)
-        final = features.final_from_layer(self.model, h, self.final_from).to(self.dtype).cpu()
+        final = final_from_layer(self.model, h, self.final_from).to(self.dtype).cpu()
         return collate_features([{**x, "hidden": final[b, :len(x["input_ids"])]}
                                  for b, x in enumerate(batch)])
 

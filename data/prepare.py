@@ -9,13 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from draftsmith.data.cache_spec import FORMAT_VERSION, FeatureCacheError, write_json_replacing
 from draftsmith.data.chat import split_conversations, tokenize_conversations
-from draftsmith.data.features import (
-    FORMAT_VERSION,
-    FeatureCacheError,
-    all_gather,
-    build_feature_cache,
-)
+from draftsmith.data.features import all_gather, build_feature_cache
 from draftsmith.data.regenerate import regenerate_splits
 from draftsmith.data.sharegpt import read_sharegpt, select_conversations
 
@@ -97,48 +93,7 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     """
     c = resolve_data_config(cfg_data)
     all_layers = sorted({int(i) for i in list(c["cache"]["layers"]) + list(layers or [])})
-    key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
-    skip = c["skip_conversations"]
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise ValueError(f"data.skip_conversations={skip!r}: give a whole number >= 0 (how many "
-                         "valid conversations to pass over before reading data.num_conversations)")
-    if skip:  # caches made before the option keep their keys
-        key_src["skip_conversations"] = skip
-    select = c["select"]
-    selecting = select != DEFAULTS["select"]  # a selection reads the whole file, then counts
-    if selecting:  # (likewise)
-        key_src["select"] = select
-        select_conversations([], **select)  # a bad pattern is refused before any work
-    if c["features"] not in ("offline", "online", "recompute_final"):
-        raise ValueError(f"data.features={c['features']!r}: choose offline (hidden states cached "
-                         "on disk once), recompute_final (the final one recomputed per batch from "
-                         "the last cached layer) or online (computed by the target in every step)")
-    final_from = None
-    if c["features"] == "recompute_final":
-        n_layers = target.identity.num_layers
-        below = [i for i in all_layers if i < n_layers]
-        if n_layers in all_layers or not below:
-            raise ValueError(f"data.features=recompute_final recomputes the final hidden state "
-                             f"from a cached layer below {n_layers}, but the layers are "
-                             f"{all_layers}: use it with a draft fusing layers below the last "
-                             "(EAGLE-3's engine layout), else data.features=offline")
-        final_from = max(below)
-    if c["features"] != "offline":  # offline caches keep their keys
-        key_src["features"] = c["features"]
-    if key_src["regenerate"].get("max_replies") is None:  # caches made before the option keep
-        key_src["regenerate"] = {k: v for k, v in key_src["regenerate"].items()  # their keys
-                                 if k != "max_replies"}
-    # the target's parameter dtype is part of the key: a bf16 target's hidden states (and greedy
-    # regenerated replies) are not the fp32 target's, although its identity is the same
-    target_dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
-    key_src.update(cache={k: c["cache"][k] for k in ("dtype", "shard_size")}, layers=all_layers,
-                   target_dtype=target_dtype, format_version=FORMAT_VERSION,
-                   target=target.identity.to_dict())
-    if getattr(target, "chat_format", "tokenizer") != "tokenizer":
-        # a chat format other than the tokenizer's own (target.chat_template) makes other token
-        # ids from the same conversations; the identity hashes the tokenizer's own template only
-        key_src["chat_template"] = hashlib.sha256(
-            target.tokenizer.chat_template.encode()).hexdigest()
+    key_src, final_from = _cache_key(c, target, all_layers)
     base = Path(out_dir or c["cache"]["dir"] or default_feature_root())
     root = base / _key(key_src)
     rank, world, barrier = ranks if ranks is not None else (0 if is_main else 1, 1, lambda: None)
@@ -163,40 +118,13 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
     if target.tokenizer is None:
         raise ValueError("preparing data needs the target's tokenizer (chat template)")
 
-    n = c["num_conversations"]
-    convs, read_rep = read_sharegpt(c["path"], limit=None if n is None or selecting else skip + n)
-    report: dict[str, Any] = {"key": root.name, "config": key_src, "read": read_rep.to_dict()}
-    if selecting:
-        convs = select_conversations(convs, **select)
-        report["selected"] = len(convs)
-    convs = convs[skip:] if n is None else convs[skip:skip + n]
-    parts = split_conversations(convs, c["split"]["val"], c["split"]["test"])
-    report["split"] = {k: len(v) for k, v in parts.items()}
-    regen = c["regenerate"]
+    parts, report = _read_splits(c)
+    report = {"key": root.name, "config": key_src, **report}
     out: dict[str, Path] = {"train": train_dir, "val": val_dir}
-    for split in out:
-        if not parts[split]:
-            raise ValueError(f"the {split} split is empty; use more data (data.num_conversations) "
-                             f"or a larger data.split.{split}")
-    if regen["enabled"]:  # every split in one run: they share batches (see regenerate_splits)
-        def regenerated() -> dict[str, list]:
-            return regenerate_splits(
-                {split: (parts[split], root / f"regenerated-{split}.jsonl") for split in out},
-                target, temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
-                batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
-                max_replies=regen["max_replies"], progress=rank == 0)
-
-        if rank == 0:  # rank 0 generates; the others then read its finished files
-            parts.update(regenerated())
-        if world > 1:
-            barrier()
-        if local:  # ... which are on rank 0's disk only: rank 0 sends the conversations
-            parts.update(all_gather({s: parts[s] for s in out} if rank == 0 else None, world)[0])
-        elif rank != 0:
-            parts.update(regenerated())
+    if c["regenerate"]["enabled"]:  # every split in one run: they share batches
+        _regenerate(parts, c["regenerate"], target, root, (rank, world, barrier), local)
     for split, cache_dir in out.items():
-        part = parts[split]
-        ds, tok_rep = tokenize_conversations(part, target.tokenizer, c["max_length"])
+        ds, tok_rep = tokenize_conversations(parts[split], target.tokenizer, c["max_length"])
         if len(ds) == 0:
             raise ValueError(f"no {split} conversation has assistant tokens after tokenization")
         rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in ds]
@@ -210,9 +138,104 @@ def prepare_data(cfg_data: Any, target: Any, out_dir: str | Path | None = None,
                          "tokens": man["tokens"], "bytes_per_token": man["bytes_per_token"],
                          "layers": man["layers"]}
     if rank == 0 or local:
-        tmp = report_path.with_name(f"report.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, report_path)
+        write_json_replacing(report_path, report)
     if world > 1:
         barrier()
     return train_dir, val_dir, report
+
+
+def _regenerate(parts: dict[str, list], regen: dict[str, Any], target: Any, root: Path,
+                ranks: tuple[int, int, Callable[[], None]], local: bool) -> None:
+    """Replace the train and val conversations of ``parts`` by the target's own replies
+    (:func:`regenerate_splits`, files under ``root``): rank 0 generates, the other ranks then
+    read its finished files, or with machine-local folders receive its conversations."""
+    rank, world, barrier = ranks
+    splits = ("train", "val")
+
+    def regenerated() -> dict[str, list]:
+        return regenerate_splits(
+            {split: (parts[split], root / f"regenerated-{split}.jsonl") for split in splits},
+            target, temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
+            batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
+            max_replies=regen["max_replies"], progress=rank == 0)
+
+    if rank == 0:  # rank 0 generates; the others then read its finished files
+        parts.update(regenerated())
+    if world > 1:
+        barrier()
+    if local:  # ... which are on rank 0's disk only: rank 0 sends the conversations
+        parts.update(all_gather({s: parts[s] for s in splits} if rank == 0 else None, world)[0])
+    elif rank != 0:
+        parts.update(regenerated())
+
+
+def _cache_key(c: dict[str, Any], target: Any, layers: list[int]
+               ) -> tuple[dict[str, Any], int | None]:
+    """What names the caches of this data config (checked first: a bad setting is refused
+    before any work), and the layer the final hidden state is recomputed from (or None)."""
+    key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    skip = c["skip_conversations"]
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"data.skip_conversations={skip!r}: give a whole number >= 0 (how many "
+                         "valid conversations to pass over before reading data.num_conversations)")
+    if skip:  # caches made before the option keep their keys
+        key_src["skip_conversations"] = skip
+    if c["select"] != DEFAULTS["select"]:  # (likewise)
+        key_src["select"] = c["select"]
+        select_conversations([], **c["select"])  # a bad pattern is refused before any work
+    final_from = _final_from(c["features"], target.identity.num_layers, layers)
+    if c["features"] != "offline":  # offline caches keep their keys
+        key_src["features"] = c["features"]
+    if key_src["regenerate"].get("max_replies") is None:  # caches made before the option keep
+        key_src["regenerate"] = {k: v for k, v in key_src["regenerate"].items()  # their keys
+                                 if k != "max_replies"}
+    # the target's parameter dtype is part of the key: a bf16 target's hidden states (and greedy
+    # regenerated replies) are not the fp32 target's, although its identity is the same
+    target_dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    key_src.update(cache={k: c["cache"][k] for k in ("dtype", "shard_size")}, layers=layers,
+                   target_dtype=target_dtype, format_version=FORMAT_VERSION,
+                   target=target.identity.to_dict())
+    if getattr(target, "chat_format", "tokenizer") != "tokenizer":
+        # a chat format other than the tokenizer's own (target.chat_template) makes other token
+        # ids from the same conversations; the identity hashes the tokenizer's own template only
+        key_src["chat_template"] = hashlib.sha256(
+            target.tokenizer.chat_template.encode()).hexdigest()
+    return key_src, final_from
+
+
+def _final_from(features: str, n_layers: int, layers: list[int]) -> int | None:
+    """The cached layer ``data.features=recompute_final`` recomputes the final hidden state
+    from (the highest below ``n_layers``); None for the other settings."""
+    if features not in ("offline", "online", "recompute_final"):
+        raise ValueError(f"data.features={features!r}: choose offline (hidden states cached "
+                         "on disk once), recompute_final (the final one recomputed per batch from "
+                         "the last cached layer) or online (computed by the target in every step)")
+    if features != "recompute_final":
+        return None
+    below = [i for i in layers if i < n_layers]
+    if n_layers in layers or not below:
+        raise ValueError(f"data.features=recompute_final recomputes the final hidden state "
+                         f"from a cached layer below {n_layers}, but the layers are "
+                         f"{layers}: use it with a draft fusing layers below the last "
+                         "(EAGLE-3's engine layout), else data.features=offline")
+    return max(below)
+
+
+def _read_splits(c: dict[str, Any]) -> tuple[dict[str, list], dict[str, Any]]:
+    """The conversations of each split (read, selected, skipped, limited, split by id) and
+    what the report says of them."""
+    n, skip, select = c["num_conversations"], c["skip_conversations"], c["select"]
+    selecting = select != DEFAULTS["select"]  # a selection reads the whole file, then counts
+    convs, read_rep = read_sharegpt(c["path"], limit=None if n is None or selecting else skip + n)
+    report: dict[str, Any] = {"read": read_rep.to_dict()}
+    if selecting:
+        convs = select_conversations(convs, **select)
+        report["selected"] = len(convs)
+    convs = convs[skip:] if n is None else convs[skip:skip + n]
+    parts = split_conversations(convs, c["split"]["val"], c["split"]["test"])
+    report["split"] = {k: len(v) for k, v in parts.items()}
+    for split in ("train", "val"):
+        if not parts[split]:
+            raise ValueError(f"the {split} split is empty; use more data (data.num_conversations) "
+                             f"or a larger data.split.{split}")
+    return parts, report

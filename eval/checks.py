@@ -146,4 +146,3 @@ def check_noise_tolerance(value: Any) -> None:
     allowed = "a fraction >= 0 such as 0.1"
     if value is not None and number("noise_tolerance", value, allowed) < 0:
         raise ValueError(f"noise_tolerance={value} is negative; pass {allowed}")
-

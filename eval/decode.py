@@ -5,8 +5,11 @@
 
 ``draft=`` takes a draft package or a folder written by ``scripts/export.py`` (hf / eagle /
 speculators / medusa layouts); ``draft=none`` decodes plainly, ``draft=lookup`` uses prompt
-lookup. ``k=null`` starts from the K* that ``eval/measure.py`` wrote into the package's
-``speculation.json`` (else 4); the summary's ``k_source`` says which. Plain decoding of the same
+lookup, ``draft=suffix`` the suffix proposer (:mod:`eval.decoding.proposers_suffix`); with a
+package, ``suffix=true`` (the default) drafts each round from the package, the suffix match or
+both, whichever the measured rates favour. ``k=null`` starts from the K* that
+``eval/measure.py`` wrote into the package's ``speculation.json`` (else 4); the summary's
+``k_source`` says which. Plain decoding of the same
 prompts runs in the same process (``baseline=true``), interleaved per prompt (plain,
 speculative, plain), and gives the ``speedup``: the median of the per-prompt ratios, with
 ``speedup_spread`` (their min and max) and ``noisy`` (the plain repeats of more than a quarter of
@@ -27,6 +30,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftsmith.data.dtype import resolve_dtype
+from draftsmith.data.packaged import PKG_PREFIX
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.checks import (
@@ -37,6 +41,7 @@ from draftsmith.eval.checks import (
     number,
 )
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.slots import check_layout
 from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.eval.draft import (
@@ -55,12 +60,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def baseline_proposer(draft: Any) -> Proposer | None:
     """The draft-free proposer that ``draft=`` names (``none`` = plain decoding, ``lookup`` =
-    prompt lookup), or None when ``draft`` is a folder."""
+    prompt lookup, ``suffix`` = the suffix proposer), or None when ``draft`` is a folder."""
     name = "none" if draft is None else str(draft)
     if name.lower() in NO_DRAFT:
         return PlainProposer()
     if name == "lookup":
         return PromptLookupProposer()
+    if name == "suffix":
+        return SuffixProposer()
     return None
 
 
@@ -93,10 +100,15 @@ def _validate(cfg: DictConfig) -> None:
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
     check_layout(str(cfg.get("batch_layout", "padded")), "batch_layout")
-    if baseline_proposer(cfg.draft) is None and not Path(str(cfg.draft)).expanduser().is_dir():
+    if cfg.get("suffix", True) not in (True, False):
+        raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
+                         "the suffix proposer, per round by measured rates) or false")
+    if (baseline_proposer(cfg.draft) is None and not str(cfg.draft).startswith(PKG_PREFIX)
+            and not Path(str(cfg.draft)).expanduser().is_dir()):
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
-                         "draft package or export folder, none (plain decoding) or lookup "
-                         "(prompt lookup)")
+                         "draft package or export folder, a model sharing the target's "
+                         "vocabulary (pkg:<key> or a folder), none (plain decoding), lookup "
+                         "(prompt lookup) or suffix (the suffix proposer)")
     check_out_file("out", cfg.get("out"), {"prompts": cfg.prompts, "draft": cfg.draft})
 
 
@@ -113,17 +125,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer
     records = session.prompt_records(cfg.prompts, tok, cfg.limit)
-    proposer = baseline_proposer(cfg.draft)
-    k, k_source = 0, "plain"
-    if proposer is None:
-        pkg = load_draft(cfg.draft, loaded)
-        plan = settle(cfg, pkg)
-        proposer = build_proposer(pkg, plan, loaded, int(model.config.vocab_size), cfg.device,
-                                  cfg.dtype)
-        k, k_source = plan.k, plan.k_source
-    elif proposer.kind != "plain":
-        k, k_source = resolve_k(cfg.k, None)
-    plain = proposer.kind == "plain"
+    proposer, k, k_source = make_proposer(cfg, loaded)
+    plain = proposer.name == "plain"
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
     tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
@@ -155,7 +158,11 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
                "tree_draw": (getattr(proposer, "tree_draw", None)
                              if proposer.tree and float(cfg.temperature) > 0 else None),
                "draft_vocab": getattr(proposer, "draft_vocab", None),
-               "draft_kind": proposer.kind,
+               "draft_kind": proposer.name,
+               # beside the suffix proposer: the rounds drafted from the suffix match, the
+               # package or both (None: the package alone, or no package)
+               "suffix_rounds": (dict(proposer.choices) if isinstance(proposer, SuffixProposer)
+                                 and proposer.inner is not None else None),
                "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
                "device": str(dec.target.device), "dtype": cfg.dtype,
                "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),
@@ -168,6 +175,23 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
+    """The proposer ``cfg.draft`` names, its initial K and where K came from (the target
+    ``loaded`` already in ``cfg.dtype`` on ``cfg.device``)."""
+    proposer = baseline_proposer(cfg.draft)
+    if proposer is None:
+        pkg = load_draft(cfg.draft, loaded)
+        plan = settle(cfg, pkg)
+        vocab = int(loaded.model.config.vocab_size)
+        proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
+        if cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1 and plan.k > 0:
+            proposer = SuffixProposer(proposer, vocab)  # batches draft the package alone
+        return proposer, plan.k, plan.k_source
+    if proposer.name == "plain":
+        return proposer, 0, "plain"
+    return proposer, *resolve_k(cfg.k, None)
 
 
 def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, records: list,

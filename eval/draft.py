@@ -2,39 +2,41 @@
 
 Every evaluation tool gets its draft here. :func:`load_draft` reads a draft package or an
 export (manifest and target identity verified either way). :func:`settle` turns the decode
-options (``k``, ``tree``, ``tree_size``, ``medusa_branching``, ``draft_vocab``; null = measured)
-and the package's ``speculation.json`` into one typed :class:`DraftSettings`; the measured values
-count only when they were measured in the same dtype on the same device type
-(:meth:`Measured.of`), taken from the record measured at the nearest temperature (a package may
-hold one per temperature: :func:`merge_record`). :func:`build_proposer` makes the family's
-proposer from them.
+options (``k``, ``tree``, ``tree_size``, ``draft_vocab``, and the family's own, e.g. Medusa's
+``medusa_branching``: ``DraftFamily.decode_options``; null = measured)
+and the package's ``speculation.json`` into one typed :class:`DraftSettings`: the record measured
+in the same dtype on the same device type (:meth:`Measured.of`), else the nearest one (another
+dtype on that device type, :func:`nearest_measured`), taken from the record measured at the
+nearest temperature (a package may hold one per temperature: :func:`merge_record`).
+:func:`build_proposer` makes the family's proposer from them.
 
 ``tree=auto`` means the same for every family: where the dynamic tree and the chain were both
 measured (or only the tree), the faster one; otherwise the family's default
-(``DraftFamily.tree_by_default``). A static tree (Medusa) has no chain to compare with on the
+(``DraftFamily.tree_by_default``) when something was measured, and a chain when nothing was (a
+large tree that was never timed here can decode slower than plain decoding: the release's 60-node
+default ran at 0.61x in fp32). A static tree (Medusa) has no chain to compare with on the
 measured grid, so ``auto`` drafts its tree; a family without trees (DFlash) drafts its chain, and
 ``tree=tree`` is refused for it.
 """
 from __future__ import annotations
 
 import enum
-import importlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from draftsmith.eval.decoding.tree import check_tree_draw
-from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.family_base import TreeKind, load_object
 from draftsmith.heads.quantize import FP32_ONLY
 from draftsmith.heads.vocab import FULL, TOKEN_FREQUENCY, frequent_ids, package_token_counts
 
 DEFAULT_K = 4  # draft length when neither k= nor a measured K* is given
-DEFAULT_TREE_SIZE = 60  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
-DEFAULT_MEDUSA_BRANCHING = (4, 2, 2, 1)  # Medusa tree when neither medusa_branching= nor measured
+DEFAULT_TREE_SIZE = 16  # dynamic-tree nodes when neither tree_size= nor a measured shape is given
 
 
 class TreeMode(enum.Enum):
@@ -124,7 +126,7 @@ class MeasuredTree:
 
     depth: int
     total_tokens: int
-    branching: tuple[int, ...] | None  # a static (Medusa) tree's branching
+    branching: tuple[int, ...] | None  # a static tree's branching (top-k per position)
     speedup: float | None
 
 
@@ -136,6 +138,7 @@ class Measured:
     chain_speedup: float | None  # decoding at K* against plain decoding
     tree: MeasuredTree | None
     draft_vocab: int | None  # the fastest draft vocabulary size (None: the whole vocabulary)
+
     @classmethod
     def of(cls, speculation: Mapping | None, dtype: str | None = None,
            device: str | None = None, temperature: float | None = None
@@ -240,6 +243,21 @@ def resolve_k(k: Any, speculation: Mapping | None, dtype: str | None = None,
     return (DEFAULT_K, source) if measured is None else (measured.k_star, source)
 
 
+def nearest_measured(speculation: Mapping | None, dtype: str | None, device: str | None,
+                     temperature: float | None) -> tuple[Measured | None, str]:
+    """The record measured for this dtype and device type (:meth:`Measured.of`), else the
+    nearest one: the same device type in another dtype (its K and tree shape, tagged so), else
+    None and why. A record of another device type is not near: costs there differ too much."""
+    m, source = Measured.of(speculation, dtype, device, temperature)
+    if m is not None or dtype is None:
+        return m, source
+    other, _ = Measured.of(speculation, None, device, temperature)
+    if other is None:
+        return None, source
+    rec, _ = record_at(speculation, temperature)
+    return other, f"speculation.json ({rec.get('dtype')}'s record: nearest measured)"
+
+
 # ----------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
 class DraftSettings:
@@ -250,14 +268,31 @@ class DraftSettings:
     tree: bool
     tree_size: int
     tree_topk: int
-    medusa_branching: tuple[int, ...]
     draft_vocab: int | None  # drafted over the most frequent ids (None: the whole vocabulary)
     tree_draw: str = "sample"  # sampled decodes: dynamic-tree children drawn, or the top-k
+    options: Mapping[str, Any] = field(default_factory=dict)  # the family's own decode options
 
 
 def _tagged(source: str, tag: str) -> str:
     """``speculation.json (T = 1)`` + ``tree`` -> ``speculation.json (T = 1, tree)``."""
     return f"{source[:-1]}, {tag})" if source.endswith(")") else f"{source} ({tag})"
+
+
+def _draft_vocab(cfg: Mapping[str, Any], pkg: Any, m: Any) -> int | None:
+    """The draft vocabulary to draft over: ``cfg.draft_vocab``, else the measured one (where the
+    token counts travelled with the folder), else None (the draft's whole vocabulary)."""
+    family = pkg.family
+    size = cfg.get("draft_vocab")
+    if family.draft_vocab and size is None:
+        size = m.draft_vocab if m is not None else None
+        if size is not None and not (Path(pkg.path) / TOKEN_FREQUENCY).is_file():
+            size = None  # measured, but the counts did not travel with this folder
+    size = parse_draft_vocab(size)
+    if size is not None and not family.draft_vocab:
+        able = tuple(f.name for f in FAMILIES.values() if f.draft_vocab)
+        raise ValueError(f"draft_vocab={cfg.get('draft_vocab')} applies to {able} drafts, not "
+                         f"{family.name}; use draft_vocab=full")
+    return size
 
 
 def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSettings:
@@ -270,13 +305,17 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
     dtype, device = cfg.get("dtype"), cfg.get("device")
     spec = pkg.speculation if measured else None
     temperature = float(cfg.get("temperature") or 0.0)
-    m, m_source = Measured.of(spec, dtype, device, temperature)
+    m, m_source = nearest_measured(spec, dtype, device, temperature)
     k, k_source = resolve_k(cfg.get("k"), spec, dtype, device, temperature)
+    if m is not None and cfg.get("k") is None:
+        k, k_source = m.k_star, m_source
     mode = TreeMode.parse(cfg.get("tree", "auto"))
     if family.tree is TreeKind.NONE and mode is TreeMode.TREE:
         raise ValueError(f"tree=tree: a {family.name} draft drafts one chain per forward (no "
                          "tree); use tree=chain or tree=auto")
-    use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default)
+    # nothing measured: a short chain (adaptive K), never a large untested tree
+    use_tree = mode is TreeMode.TREE or (mode is TreeMode.AUTO and family.tree_by_default
+                                         and (m is not None or family.tree is TreeKind.STATIC))
     won = m.tree_won() if m is not None else None
     if mode is TreeMode.AUTO and family.tree is TreeKind.DYNAMIC and won is not None:
         use_tree = won
@@ -287,16 +326,14 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
                     and cfg.get("batch_layout", "padded") != "packed")  # trees: padded only
     use_tree = use_tree and family.tree is not TreeKind.NONE  # whatever was measured
     tree_size = cfg.get("tree_size")
-    branching = tuple(int(b) for b in (cfg.get("medusa_branching") or DEFAULT_MEDUSA_BRANCHING))
     from_tree = use_tree and m is not None and m.tree is not None
+    options, measured_options = family.decode_options(cfg, m.tree if from_tree else None)
     if from_tree and family.tree is TreeKind.DYNAMIC:
         tree_size = m.tree.total_tokens if tree_size is None else tree_size
-    if from_tree and family.tree is TreeKind.STATIC:  # a given branching is kept
-        from_tree = m.tree.branching is not None and not cfg.get("medusa_branching")
-        branching = m.tree.branching if from_tree else branching
+    if from_tree and family.tree is TreeKind.STATIC:  # a given shape is kept
+        from_tree = measured_options
     if from_tree and cfg.get("k") is None:  # the measured tree's depth
-        k, k_source = (m.tree.depth if family.tree is TreeKind.DYNAMIC else len(branching),
-                       _tagged(m_source, "tree"))
+        k, k_source = m.tree.depth, _tagged(m_source, "tree")
         if m.k_star == 0 and (m.tree.speedup or 0.0) < 1.0:
             k, k_source = 0, _tagged(m_source, f"K* = 0, best tree {m.tree.speedup or 0.0:.2f}x")
     measured_k = batch_k(spec, batch_size, dtype, device) if batch_size > 1 else None
@@ -309,21 +346,12 @@ def settle(cfg: Mapping[str, Any], pkg: Any, measured: bool = True) -> DraftSett
         k, k_source = measured_k
     elif batch_size > 1 and cfg.get("k") is None:  # said, since K* falls as batches grow
         k_source += " (batch one's; no batch record: scripts/bench_batch.py write=true)"
-    size = cfg.get("draft_vocab")
-    if family.draft_vocab and size is None:
-        size = m.draft_vocab if m is not None else None
-        if size is not None and not (Path(pkg.path) / TOKEN_FREQUENCY).is_file():
-            size = None  # measured, but the counts did not travel with this folder
-    size = parse_draft_vocab(size)
-    if size is not None and not family.draft_vocab:
-        able = tuple(f.name for f in FAMILIES.values() if f.draft_vocab)
-        raise ValueError(f"draft_vocab={cfg.get('draft_vocab')} applies to {able} drafts, not "
-                         f"{family.name}; use draft_vocab=full")
+    size = _draft_vocab(cfg, pkg, m)
     return DraftSettings(k=k, k_source=k_source, tree=use_tree,
                          tree_size=int(tree_size if tree_size is not None else DEFAULT_TREE_SIZE),
-                         tree_topk=int(cfg.get("tree_topk", 8)), medusa_branching=branching,
-                         draft_vocab=size,
-                         tree_draw=check_tree_draw(cfg.get("tree_draw", "sample")))
+                         tree_topk=int(cfg.get("tree_topk", 8)), draft_vocab=size,
+                         tree_draw=check_tree_draw(cfg.get("tree_draw", "sample")),
+                         options=options)
 
 
 # ----------------------------------------------------------------------------- load and build
@@ -331,16 +359,21 @@ def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
     """A draft package, or an export made by ``scripts/export.py``, as a ``DraftPackage``.
 
     Args:
-        draft: a package folder (``draftsmith.json``) or an export folder (``manifest.json``
-            with ``export_format``: hf / eagle / speculators / medusa).
+        draft: a package folder (``draftsmith.json``), an export folder (``manifest.json``
+            with ``export_format``: hf / eagle / speculators / medusa), or a causal LM sharing
+            the target's vocabulary, used off the shelf as a draft LM (``pkg:<key>`` or a model
+            folder: :mod:`draftsmith.heads.foreign`).
         loaded_target: the ``LoadedTarget`` the draft must have been trained for.
 
     Raises:
         ValueError: the folder is neither a package nor an export.
     """
     from draftsmith.heads.exports import import_export
+    from draftsmith.heads.foreign import is_model_source, model_as_draft
     from draftsmith.heads.package import PACKAGE_JSON, load_package
 
+    if loaded_target is not None and is_model_source(draft):  # off the shelf, with a warning
+        return model_as_draft(draft, loaded_target)
     root = Path(str(draft)).expanduser()
     if (root / PACKAGE_JSON).is_file():
         return load_package(root, target=loaded_target)
@@ -366,8 +399,7 @@ def draft_vocab_ids(size: int | None, pkg: Any, loaded_target: Any,
 
 def proposer_class(family: Any) -> type:
     """The family's proposer class (``DraftFamily.proposer``, a dotted path)."""
-    module, _, name = family.proposer.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return load_object(family.proposer)
 
 
 def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_size: int,

@@ -6,10 +6,11 @@
 The reference output of each prompt is computed once with transformers ``generate``
 (``do_sample=False``, same model and dtype, chat template with the generation prompt, the target's
 EOS ids). Every prompt is then decoded at temperature 0 through :class:`SpeculativeDecoder` with
-plain decoding (K = 0), prompt lookup and, per draft package, its proposers (draft LM chain,
-Medusa tree, EAGLE chain and EAGLE dynamic tree). With ``drafts=[]`` untrained stand-ins are built
-in-process (a draft LM copied from target layers, fresh Medusa heads, a fresh EAGLE head): greedy
-exactness does not depend on draft quality.
+plain decoding (K = 0), prompt lookup, the suffix proposer and, per draft package, its proposers
+(draft LM chain, Medusa tree, EAGLE chain and EAGLE dynamic tree), each also beside the suffix
+proposer with both proposals merged into one tree every round (``suffix=true``). With
+``drafts=[]`` untrained stand-ins are built in-process (a draft LM copied from target layers,
+fresh Medusa heads, a fresh EAGLE head): greedy exactness does not depend on draft quality.
 
 Where an output differs, the report gives the first divergence index and the target's top-2 logit
 gap at that position from a plain full forward (no cache) of the prompt and the reference prefix;
@@ -31,13 +32,15 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from draftsmith.eval import session
-from draftsmith.eval.decode import CONF_DIR, DTYPES
+from draftsmith.eval import CONF_DIR, session
+from draftsmith.eval.decode import DTYPES
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
+from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
 from draftsmith.eval.machine import environment
-from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import TreeKind
 
 # decode.py ``tree=`` modes checked per tree kind: a dynamic tree drafts chains too
 TREE_MODES = {TreeKind.DYNAMIC: ("chain", "tree"), TreeKind.STATIC: ("tree",),
@@ -149,7 +152,7 @@ def standin_packages(cfg: DictConfig, model: torch.nn.Module) -> list[Any]:
     for name, raw in OmegaConf.to_container(cfg.standins, resolve=True).items():
         family = get_family(name)
         head_cfg = family.head_config(raw, model.config)
-        out.append(SimpleNamespace(kind=name, family=family, head_config=head_cfg,
+        out.append(SimpleNamespace(family=family, head_config=head_cfg,
                                    module=family.build(head_cfg, model).eval(), name="untrained",
                                    speculation=None, path=None))
     return out
@@ -160,7 +163,8 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
     model = loaded.model
     vocab = int(model.config.vocab_size)
     out: list[tuple[str, Proposer]] = [("plain", PlainProposer()),
-                                       ("lookup", PromptLookupProposer())]
+                                       ("lookup", PromptLookupProposer()),
+                                       ("suffix", SuffixProposer())]
     drafts = _as_list(cfg.drafts)
     pkgs = []
     for d in drafts:
@@ -182,6 +186,10 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
             proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
             label = f"{family.name}-{tree}{f'/{size}ids' if size else ''}"
             out.append((f"{label}@{name}", proposer))
+            if cfg.get("suffix", True) and size is None:  # the hybrid, merging every round
+                out.append((f"{label}+suffix@{name}",
+                            SuffixProposer(build_proposer(pkg, plan, loaded, vocab, cfg.device,
+                                                          cfg.dtype), vocab, mode="merge")))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a folder name ({names}); give folders distinct names")

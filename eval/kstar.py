@@ -169,4 +169,4 @@ def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Se
                       "t_verify_tree": {str(k): v for k, v in costs["t_verify_tree"].items()},
                       "unit": "seconds", "statistic": f"median of {repeats}",
                       "context_tokens": len(prompts[0])},
-            "proposer": proposer.kind, "dtype": dtype, **environment(target.device)}
+            "proposer": proposer.name, "dtype": dtype, **environment(target.device)}

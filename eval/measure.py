@@ -22,6 +22,7 @@ per-position acceptance needs exactly one draft per position.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,28 +33,27 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
-from draftsmith.eval import session
+from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.checks import check_noise_tolerance, check_sampling, integer
-from draftsmith.eval.decode import CONF_DIR
 from draftsmith.eval.decoding.proposers import Proposer
-from draftsmith.eval.decoding.proposers_medusa import medusa_choices
 from draftsmith.eval.decoding.target_model import Target
 from draftsmith.eval.draft import build_proposer, load_draft, merge_record, settle
 from draftsmith.eval.kstar import measure_speculation
-from draftsmith.heads.family import DraftFamily, TreeKind
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.foreign import is_model_source
 from draftsmith.heads.package import PACKAGE_JSON
-
-
-def max_tree_nodes(depth: int, topk: int) -> int:
-    """Most nodes a dynamic tree of ``depth`` can draft: ``topk`` at depth 1, ``topk**2`` below."""
-    return topk + (depth - 1) * topk * topk
 
 
 def _validate(cfg: DictConfig) -> None:
     if cfg.draft is None or str(cfg.draft).lower() in ("none", "null", "", "lookup"):
         raise ValueError("measure.py needs draft=DIR of a draft package (K* is a property of a "
                          "trained draft)")
-    if not (Path(str(cfg.draft)) / PACKAGE_JSON).is_file():
+    foreign = is_model_source(cfg.draft)  # a model drafting off the shelf: record to out= only
+    if foreign and (cfg.write or not cfg.get("out")):
+        raise ValueError(f"draft={cfg.draft} is not a draft package: there is no "
+                         "speculation.json to write the record into; pass write=false "
+                         "out=FILE to keep it")
+    if not foreign and not (Path(str(cfg.draft)) / PACKAGE_JSON).is_file():
         raise ValueError(f"draft={cfg.draft} is not a draft package (no {PACKAGE_JSON}); K* is "
                          "written into packages, so measure the package an export came from")
     if int(cfg.k_measure) < 1:
@@ -62,10 +62,8 @@ def _validate(cfg: DictConfig) -> None:
     if bad:
         raise ValueError(f"tree_depths and tree_sizes take values >= 1, got {bad}; pass "
                          "tree_sizes=[] to skip the tree-shape search")
-    bad = [list(b) for b in cfg.medusa_branchings if not b or any(int(x) < 1 for x in b)]
-    if bad:
-        raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
-                         "pass medusa_branchings=[] to skip the Medusa tree-shape search")
+    for family in FAMILIES.values():  # the families' own keys (Medusa's medusa_branchings)
+        family.check_measure_options(cfg)
     bad = [v for v in cfg.draft_vocab_sizes
            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
     if bad:
@@ -92,31 +90,10 @@ def proposer_for(cfg: DictConfig, overrides: dict, loaded: Any, pkg: Any) -> Pro
                           cfg.dtype)
 
 
-def tree_shapes(family: DraftFamily, cfg: DictConfig, head_config: Any) -> list[dict[str, Any]]:
-    """The tree shapes measure.py decodes with, as ``{"depth", "total_tokens", "overrides"}``
-    (plus ``"branching"`` for Medusa): EAGLE and draft LM, the dynamic tree at each (depth, size)
-    of ``tree_depths`` x ``tree_sizes`` (a size larger than a depth can hold, ``topk`` nodes per
-    expanded node and ``topk`` expanded per depth, is the full tree of that depth and is tried
-    once); Medusa, each of ``medusa_branchings`` that the heads can serve; none for a family
-    that drafts chains only (DFlash)."""
-    shapes: list[dict[str, Any]] = []
-    if family.tree is TreeKind.DYNAMIC:
-        topk = int(cfg.tree_topk)
-        for depth in sorted({int(d) for d in cfg.tree_depths}):
-            cap = max_tree_nodes(depth, topk)
-            sizes = sorted({int(n) for n in cfg.tree_sizes})
-            over = [n for n in sizes if n > cap][:1]  # any of them is the full tree
-            sizes = [n for n in sizes if n <= cap] + ([] if cap in sizes else over)
-            shapes += [{"depth": depth, "total_tokens": n,
-                        "overrides": {"tree": "tree", "tree_size": n}} for n in sizes]
-    elif family.tree is TreeKind.STATIC:
-        longest = family.max_draft_length(head_config)
-        for b in cfg.medusa_branchings:
-            b = [int(x) for x in b]
-            if longest is None or len(b) <= longest:
-                shapes.append({"depth": len(b), "total_tokens": len(medusa_choices(b)),
-                               "branching": b,
-                               "overrides": {"tree": "tree", "medusa_branching": b}})
+def tree_shapes(pkg: Any, cfg: DictConfig) -> list[dict[str, Any]]:
+    """The tree shapes measure.py decodes ``pkg`` with (``DraftFamily.tree_shapes``: the dynamic
+    tree's (depth, size) grid, Medusa's static trees, none for chains only), smallest first."""
+    shapes = pkg.family.tree_shapes(cfg, pkg.head_config)
     return sorted(shapes, key=lambda sh: (sh["total_tokens"], sh["depth"]))
 
 
@@ -180,7 +157,7 @@ def measure_tree(model: torch.nn.Module, loaded: Any, pkg: Any, records: list[di
                  cfg: DictConfig, eos: Any) -> dict[str, Any] | None:
     """Decode with each tree shape of :func:`tree_shapes` (:func:`decode_grid`); the fastest
     shape and the grid."""
-    shapes = tree_shapes(pkg.family, cfg, pkg.head_config)
+    shapes = tree_shapes(pkg, cfg)
     if not shapes:
         return None
     grid, before_after, _ = decode_grid(
@@ -212,8 +189,11 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     from draftsmith.heads.vocab import TOKEN_FREQUENCY
 
     vocab = int(model.config.vocab_size)
+    own = getattr(pkg.module, "d2t", None) if getattr(pkg.module, "reduced", False) else None
+    if own is not None:  # a reduced head: subsets of its own draft vocabulary
+        vocab = int(own.numel())
     sizes = sorted({int(n) for n in cfg.draft_vocab_sizes if int(n) < vocab})
-    if (not pkg.family.draft_vocab or not sizes or getattr(pkg.module, "reduced", False)
+    if (not pkg.family.draft_vocab or not sizes
             or not (pkg.path / TOKEN_FREQUENCY).is_file()):
         return None
     base_cfg = OmegaConf.merge(cfg, {"k": None, "draft_vocab": "full"})
@@ -234,7 +214,7 @@ def measure_draft_vocab(model: torch.nn.Module, loaded: Any, pkg: Any, records: 
     proposer = runs[-1][1]
     best = max(grid, key=lambda g: g["tokens_per_s"])
     return {"size": best["size"], "speedup": best["speedup"], "tau": best["tau"],
-            "drafting": {"kind": proposer.kind, "k": k,
+            "drafting": {"kind": proposer.name, "k": k,
                          "tree_size": proposer.total_tokens if getattr(proposer, "tree", False)
                          else None},
             "baseline_tokens_per_s": sum(before_after) / 2, "baseline_before_after": before_after,
@@ -272,7 +252,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                               temperature=float(cfg.temperature), repeats=int(cfg.repeats),
                               seed=int(cfg.seed),
                               tree_nodes=sorted({sh["total_tokens"] for sh in
-                                                 tree_shapes(pkg.family, cfg, pkg.head_config)}),
+                                                 tree_shapes(pkg, cfg)}),
                               min_reached=int(cfg.min_reached))
     eos = session.eos_ids(model)
     if cfg.rerun:
@@ -283,10 +263,14 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     vocab_rec = measure_draft_vocab(model, loaded, pkg, records, cfg, eos, rec)
     if vocab_rec is not None:
         rec["draft_vocab"] = vocab_rec
-    rec.update(draft_kind=pkg.kind, prompts=str(cfg.prompts), limit=cfg.limit,
+    rec.update(draft_kind=pkg.family.name, prompts=str(cfg.prompts), limit=cfg.limit,
                command="python eval/measure.py " + " ".join(sys.argv[1:]))
     if cfg.write:  # beside the records of other temperatures (eval.draft.merge_record)
         update_package_json(pkg.path, "speculation.json", merge_record(pkg.speculation, rec))
+    if cfg.get("out"):
+        out = Path(str(cfg.out)).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rec, indent=1))
     return rec
 
 

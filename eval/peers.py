@@ -188,7 +188,7 @@ def load_assistant(draft: str | Path, loaded: Any, dtype: torch.dtype,
     pkg = load_draft(draft, loaded)
     if not pkg.family.hf_model:
         raise ValueError(f"transformers assisted generation needs a draft LM package, {draft} is "
-                         f"draft_kind={pkg.kind!r}: use method=spec for medusa/eagle drafts")
+                         f"draft_kind={pkg.family.name!r}: use method=spec for medusa/eagle drafts")
     return pkg.module.to(device=device, dtype=dtype).eval()
 
 

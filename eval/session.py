@@ -5,15 +5,15 @@ all decode through this module: :func:`open_target` loads and places the target,
 :func:`prompt_records` encodes a prompt set through its chat template, :func:`decoder` builds the
 speculative decoder (warmed up), :func:`decode_set` decodes every prompt, and :func:`paired`
 decodes the same prompts plainly in the same process, interleaved per prompt (plain,
-speculative, plain), the only fair baseline for a speedup: its ``speedup`` is the median of the
-per-prompt ratios, and ``noisy`` says when the machine's speed changed under a prompt.
+speculative, plain), the only fair baseline for a speedup: its ``speedup`` is the paired speedup
+of :mod:`eval.speedup` over the prompts, and ``noisy`` says when the machine's speed changed
+under a prompt.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.decoding.proposers import PlainProposer, Proposer
 from draftsmith.eval.decoding.stats import DecodeStats
+from draftsmith.eval.speedup import PairedSpeedup, paired_speedup
 
 
 @dataclass(frozen=True)
@@ -161,10 +162,9 @@ class Paired:
         samples: the speculative samples (with ``plain_wall_time_s`` and ``speedup`` per prompt
             when there is a baseline).
         stats: the merged speculative stats.
-        baseline_tokens_per_s: plain tokens/s over both plain runs of every prompt.
+        baseline_tokens_per_s: plain tokens/s over all plain runs of every prompt.
         matches_baseline: greedy only: the fraction of outputs token-identical to plain's.
-        ratios: per prompt, speculative tokens/s over the mean of its two plain tokens/s.
-        plain_drift: per prompt, ``|a - b| / mean(a, b)`` of its two plain tokens/s.
+        pairing: the paired speedup over the prompts (None without a baseline).
         noise_tolerance: the largest ``plain_drift`` of a quiet prompt.
     """
 
@@ -172,19 +172,30 @@ class Paired:
     stats: DecodeStats
     baseline_tokens_per_s: float | None
     matches_baseline: float | None
-    ratios: list[float] = field(default_factory=list)
-    plain_drift: list[float] = field(default_factory=list)
+    pairing: PairedSpeedup | None = None
     noise_tolerance: float = NOISE_TOLERANCE
+
+    @property
+    def ratios(self) -> list[float]:
+        """Per prompt, speculative tokens/s over the median of its plain tokens/s (with two
+        plain runs, their mean)."""
+        return self.pairing.ratios if self.pairing else []
+
+    @property
+    def plain_drift(self) -> list[float]:
+        """Per prompt, the range of its plain tokens/s over their median (with two runs a and
+        b: ``|a - b| / mean(a, b)``)."""
+        return self.pairing.base_drift if self.pairing else []
 
     @property
     def speedup(self) -> float | None:
         """The median of the per-prompt ratios (None without a baseline)."""
-        return statistics.median(self.ratios) if self.ratios else None
+        return self.pairing.median if self.pairing else None
 
     @property
     def speedup_spread(self) -> tuple[float, float] | None:
         """``(min, max)`` of the per-prompt ratios."""
-        return (min(self.ratios), max(self.ratios)) if self.ratios else None
+        return self.pairing.spread if self.pairing else None
 
     @property
     def noisy_prompts(self) -> int:
@@ -241,41 +252,56 @@ def _check_tolerance(noise_tolerance: float) -> None:
 def paired_many(decs: Sequence[SpeculativeDecoder], model: torch.nn.Module | None,
                 records: Sequence[dict], sampling: Sampling, eos: Any,
                 noise_tolerance: float = NOISE_TOLERANCE,
-                plain: SpeculativeDecoder | None = None) -> list[Paired]:
-    """:func:`paired` for several decoders at once (a grid of K or tree shapes): per prompt,
-    plain decoding, every decoder in turn, plain decoding again; each decoder's ratio for the
-    prompt is over the mean of that prompt's two plain runs. One :class:`Paired` per decoder,
-    sharing the plain runs."""
+                plain: SpeculativeDecoder | None = None, rounds: int = 1) -> list[Paired]:
+    """:func:`paired` for several decoders at once (a grid of K or tree shapes; a draft at a
+    fixed K beside decode.py's defaults): per prompt, ``rounds`` times plain decoding then every
+    decoder in turn, and plain decoding once more at the end. Each decoder's ratio for the prompt
+    is the median of its runs' tokens/s over the median of the prompt's plain runs (one round:
+    over the mean of the two). One :class:`Paired` per decoder, sharing the plain runs; its
+    samples are the first round's, its stats merge every round.
+
+    Raises:
+        ValueError: ``noise_tolerance`` is negative or ``rounds`` below 1.
+    """
     _check_tolerance(noise_tolerance)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if plain is None:
         plain = plain_decoder(model, records)
     n = len(decs)
     samples: list[list[dict]] = [[] for _ in range(n)]
     parts: list[list[DecodeStats]] = [[] for _ in range(n)]
-    ratios: list[list[float]] = [[] for _ in range(n)]
+    tps: list[list[list[float]]] = [[] for _ in range(n)]  # decoder -> prompt -> its runs
     same: list[list[bool]] = [[] for _ in range(n)]
-    plain_parts, drift = [], []
+    plain_parts, plain_tps = [], []
     for i, rec in enumerate(records):
-        before, a = decode_one(plain, rec, i, sampling, eos)
-        runs = [decode_one(dec, rec, i, sampling, eos) for dec in decs]
-        _, b = decode_one(plain, rec, i, sampling, eos)
-        base = (_tps(a) + _tps(b)) / 2
-        drift.append(abs(_tps(a) - _tps(b)) / base if base > 0 else 0.0)
-        plain_parts += [a, b]
-        for j, (sample, st) in enumerate(runs):
-            ratio = _tps(st) / base if base > 0 else None
-            if ratio is not None:
-                ratios[j].append(ratio)
-            same[j].append(sample["output_ids"] == before["output_ids"])
-            samples[j].append({**sample, "plain_wall_time_s": [a.wall_time_s, b.wall_time_s],
-                               "plain_tokens": [a.tokens_generated, b.tokens_generated],
-                               "speedup": ratio})
-            parts[j].append(st)
-    plain_tps = DecodeStats.merge(plain_parts).tokens_per_s
+        plain_runs, runs = [], [[] for _ in range(n)]
+        for _ in range(rounds):
+            plain_runs.append(decode_one(plain, rec, i, sampling, eos))
+            for j, dec in enumerate(decs):
+                runs[j].append(decode_one(dec, rec, i, sampling, eos))
+        plain_runs.append(decode_one(plain, rec, i, sampling, eos))
+        plain_parts += [st for _, st in plain_runs]
+        plain_tps.append([_tps(st) for _, st in plain_runs])
+        for j, dec_runs in enumerate(runs):
+            sample = dec_runs[0][0]
+            tps[j].append([_tps(st) for _, st in dec_runs])
+            parts[j] += [st for _, st in dec_runs]
+            same[j].append(sample["output_ids"] == plain_runs[0][0]["output_ids"])
+            samples[j].append({**sample,
+                               "plain_wall_time_s": [st.wall_time_s for _, st in plain_runs],
+                               "plain_tokens": [st.tokens_generated for _, st in plain_runs]})
+    baseline_tps = DecodeStats.merge(plain_parts).tokens_per_s
     greedy = sampling.temperature == 0.0 and bool(records)
-    return [Paired(samples[j], DecodeStats.merge(parts[j]), plain_tps,
-                   sum(same[j]) / len(same[j]) if greedy else None, ratios[j], drift,
-                   float(noise_tolerance)) for j in range(n)]
+    out = []
+    for j in range(n):
+        pairing = paired_speedup(tps[j], plain_tps)
+        for sample, ratio in zip(samples[j], pairing.per_unit):
+            sample["speedup"] = ratio
+        out.append(Paired(samples[j], DecodeStats.merge(parts[j]), baseline_tps,
+                          sum(same[j]) / len(same[j]) if greedy else None, pairing,
+                          float(noise_tolerance)))
+    return out
 
 
 # ----------------------------------------------------------------------------- batches
@@ -290,7 +316,8 @@ def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], samplin
     None: no baseline (no ratios). A row's own stats time it from the batch's start to the
     step it finished in, so their ``tokens_per_s`` is a row's rate, not the batch's."""
     _check_tolerance(noise_tolerance)
-    samples, parts, ratios, drift, plain_parts, same = [], [], [], [], [], []
+    samples, parts, plain_parts, same = [], [], [], []
+    tps, plain_tps, batch_rows = [], [], []
 
     def run(d: Any, batch: Sequence[dict], seed: int) -> tuple[list, float]:
         t0 = time.perf_counter()
@@ -304,7 +331,7 @@ def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], samplin
         batch = records[start:start + batch_size]
         seed = sampling.seed + start
         before, a = run(plain, batch, seed) if plain is not None else (None, 0.0)
-        res, tps = run(dec, batch, seed)
+        res, batch_tps = run(dec, batch, seed)
         parts += [r.stats for r in res]
         rows = [{**rec, "output_ids": r.output_ids, "tau": r.stats.tau,
                  "target_forwards": r.stats.target_forwards, "wall_time_s": r.stats.wall_time_s,
@@ -313,22 +340,23 @@ def paired_batches(dec: Any, plain: Any | None, records: Sequence[dict], samplin
             samples += rows
             continue
         after, b = run(plain, batch, seed)
-        base = (a + b) / 2
-        drift.append(abs(a - b) / base if base > 0 else 0.0)
-        ratio = tps / base if base > 0 else None
-        if ratio is not None:
-            ratios.append(ratio)
+        tps.append(batch_tps)
+        plain_tps.append([a, b])
         plain_parts += [r.stats for r in before + after]
         for row, r, pb, pa in zip(rows, res, before, after):
             same.append(r.output_ids == pb.output_ids)
             samples.append({**row, "plain_wall_time_s": [pb.stats.wall_time_s,
                                                          pa.stats.wall_time_s],
                             "plain_tokens": [pb.stats.tokens_generated,
-                                             pa.stats.tokens_generated], "speedup": ratio})
+                                             pa.stats.tokens_generated]})
+        batch_rows.append(len(rows))
     if plain is None:
         return Paired(samples, DecodeStats.merge(parts), None, None,
                       noise_tolerance=float(noise_tolerance))
+    pairing = paired_speedup(tps, plain_tps)
+    ratios = [ratio for ratio, n in zip(pairing.per_unit, batch_rows) for _ in range(n)]
+    for sample, ratio in zip(samples, ratios):
+        sample["speedup"] = ratio
     greedy = sampling.temperature == 0.0 and bool(records)
     return Paired(samples, DecodeStats.merge(parts), DecodeStats.merge(plain_parts).tokens_per_s,
-                  sum(same) / len(same) if greedy else None, ratios, drift,
-                  float(noise_tolerance))
+                  sum(same) / len(same) if greedy else None, pairing, float(noise_tolerance))

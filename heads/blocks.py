@@ -1,4 +1,5 @@
-"""Pieces shared by the draft families: the training-target record, shifts and attention masks.
+"""Pieces shared by the draft families: the training-target record, shifts, attention masks
+and the frozen target weights a head reads.
 
 Position conventions used by every family (see the ``distill_targets`` helpers):
 
@@ -14,7 +15,7 @@ import dataclasses
 from typing import Any, NamedTuple, Self
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class HeadConfig:
@@ -64,6 +65,25 @@ def teacher_rows(batch: int, seq: int, shift: int, device: torch.device) -> Tens
     the entry is masked out anyway)."""
     t = (torch.arange(seq, device=device) + shift).clamp(max=seq - 1)
     return (torch.arange(batch, device=device)[:, None] * seq + t[None, :])
+
+
+@torch.no_grad()
+def attach_target_embeddings(head: nn.Module, target_model: nn.Module, like: Tensor, what: str,
+                             lm_head: bool = True) -> None:
+    """Point ``head.embed_tokens`` (and with ``lm_head`` ``head.lm_head``) at the target's input
+    embedding and LM head, frozen, in ``like``'s dtype and device (the EAGLE head, the DFlash
+    drafter). Both target weights must be ``(head.vocab_size, head.hidden_size)``; ``what``
+    names the head in the error."""
+    emb = target_model.get_input_embeddings().weight
+    out = target_model.get_output_embeddings().weight
+    want = (head.vocab_size, head.hidden_size)
+    for name, w in (("input embedding", emb), ("LM head", out)):
+        if tuple(w.shape) != want:
+            raise ValueError(f"target {name} has shape {tuple(w.shape)}, the {what} expects "
+                             f"{want}: the {what} was built for another target")
+    head.embed_tokens.weight = nn.Parameter(emb.detach().to(like), requires_grad=False)
+    if lm_head:
+        head.lm_head.weight = nn.Parameter(out.detach().to(like), requires_grad=False)
 
 
 def master_dtype(target_dtype: torch.dtype) -> torch.dtype:

@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from draftsmith.heads.blocks import HeadConfig, master_dtype
+from draftsmith.heads.blocks import HeadConfig, attach_target_embeddings, master_dtype
 from draftsmith.heads.draft_config import draft_layer_config, text_config
 from draftsmith.heads.eagle import effective_norm_weight
 
@@ -116,7 +116,6 @@ class DFlashConfig(HeadConfig):
     def position_weights(self, n: int) -> list[float]:
         """Default loss weight of slots 1..n: ``exp(-(k-1)/gamma)``."""
         return [math.exp(-(k - 1) / self.gamma) for k in range(1, n + 1)]
-
 
 
 def default_mask_token_id(target_config: Any) -> int:
@@ -271,19 +270,9 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return int(self.cfg.block_size)
 
-    @torch.no_grad()
     def attach_target(self, target_model: PreTrainedModel) -> None:
         """Point the frozen embedding and LM head at the target's weights."""
-        emb = target_model.get_input_embeddings().weight
-        out = target_model.get_output_embeddings().weight
-        want = (self.vocab_size, self.hidden_size)
-        for name, w in (("input embedding", emb), ("LM head", out)):
-            if tuple(w.shape) != want:
-                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter expects "
-                                 f"{want}: the drafter was built for another target")
-        ref = self.hidden_norm.weight
-        self.embed_tokens.weight = nn.Parameter(emb.detach().to(ref), requires_grad=False)
-        self.lm_head.weight = nn.Parameter(out.detach().to(ref), requires_grad=False)
+        attach_target_embeddings(self, target_model, self.hidden_norm.weight, "drafter")
 
     # ----- the pieces training and decoding share ------------------------------------------
     def context(self, features: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from draftsmith.heads.blocks import (
 )
 from draftsmith.heads.draft_config import draft_model_config, text_config
 
-INIT_CHOICES = ("random", "target")
+INIT_CHOICES = ("random", "target", "model")  # model: another model's weights (heads/foreign.py)
 
 
 @dataclass
@@ -41,8 +41,9 @@ class DraftLMConfig(HeadConfig):
         intermediate_size: MLP width.
         num_heads: attention heads.
         num_kv_heads: key/value heads (grouped-query attention).
-        init: ``"random"`` (fresh weights) or ``"target"`` (copy embeddings, the layers in
-            ``init_layers``, final norm and LM head from the target; sizes must match).
+        init: ``"random"`` (fresh weights), ``"target"`` (copy embeddings, the layers in
+            ``init_layers``, final norm and LM head from the target; sizes must match) or
+            ``"model"`` (a whole model sharing the target's vocabulary: ``draft.init_from``).
         init_layers: target layer indices copied into draft layers 0..num_layers-1 when
             ``init="target"``; empty means evenly spaced from the first to the last layer.
         head_dim: attention head width; None = the target's when the widths are the target's,
@@ -75,7 +76,6 @@ class DraftLMConfig(HeadConfig):
             raise ValueError(f"DraftLMConfig.init_layers has {len(self.init_layers)} entries but "
                              f"num_layers is {self.num_layers}; give one target layer per draft "
                              "layer or leave it empty for evenly spaced layers")
-
 
     @classmethod
     def matching(cls, target_config: Any, num_layers: int, **kw: Any) -> DraftLMConfig:

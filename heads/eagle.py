@@ -35,7 +35,8 @@ Training (fused features, training-time-test unrolling, ``distill_targets``):
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,17 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from draftsmith.heads.blocks import HeadConfig, additive_mask, causal_allowed, master_dtype
+from draftsmith.heads.blocks import (
+    HeadConfig,
+    additive_mask,
+    attach_target_embeddings,
+    causal_allowed,
+    master_dtype,
+)
 from draftsmith.heads.draft_config import draft_layer_config
 from draftsmith.heads.vocab import build_vocab_map
+
+log = logging.getLogger(__name__)
 
 EAGLE_LAYOUTS = ("eagle1", "normed", "eagle3")
 
@@ -119,7 +128,6 @@ class EagleConfig(HeadConfig):
         return 1 if self.fuse_layers is None else len(self.fuse_layers)
 
 
-
 def head_llama_config(target_config: Any, intermediate_size: int | None = None) -> LlamaConfig:
     """The head's one-layer Llama config, derived from the target's (any architecture), with
     the MLP width ``intermediate_size`` (None: the target's)."""
@@ -138,6 +146,20 @@ def auto_fuse_layers(num_layers: int) -> list[int]:
 
 
 AUTO_DRAFT_VOCAB = 32768  # EAGLE-3's reduced vocabulary for Llama 3's 128k-id vocabulary
+
+
+def resolve_fuse_layers(raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
+    """``draft.config`` with ``fuse_layers: auto`` replaced by EAGLE-3's low / middle / high
+    hidden-state ids of the target (:func:`auto_fuse_layers`), the choice logged."""
+    raw = dict(raw)
+    if raw.get("fuse_layers") == "auto":
+        from draftsmith.heads.draft_config import text_config
+
+        n = int(text_config(target_config).num_hidden_layers)
+        raw["fuse_layers"] = auto_fuse_layers(n)
+        log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
+                 raw["fuse_layers"], n)
+    return raw
 
 
 def auto_draft_vocab_size(vocab_size: int) -> int | None:
@@ -256,20 +278,10 @@ class EagleHead(nn.Module):
             raise ValueError(f"EAGLE state dict does not match the head: missing {missing}, "
                              f"unexpected {unexpected}")
 
-    @torch.no_grad()
     def attach_target(self, target_model: PreTrainedModel) -> None:
         """Point the frozen embedding (and full-vocab LM head) at the target's weights."""
-        emb = target_model.get_input_embeddings().weight
-        out = target_model.get_output_embeddings().weight
-        want = (self.vocab_size, self.hidden_size)
-        for name, w in (("input embedding", emb), ("LM head", out)):
-            if tuple(w.shape) != want:
-                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the head expects "
-                                 f"{want}: the head was built for another target")
-        ref = self.fc.weight
-        self.embed_tokens.weight = nn.Parameter(emb.detach().to(ref), requires_grad=False)
-        if not self.reduced:
-            self.lm_head.weight = nn.Parameter(out.detach().to(ref), requires_grad=False)
+        attach_target_embeddings(self, target_model, self.fc.weight, "head",
+                                 lm_head=not self.reduced)
 
     @torch.no_grad()
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
@@ -330,13 +342,27 @@ class EagleHead(nn.Module):
         if position_ids is None:
             position_ids = (torch.arange(seq, device=x.device) + past)[None].expand(bsz, -1)
         mask = self._mask(attention_mask, bsz, seq, past, x.device, dtype)
-        cos_sin = self.rotary_emb(x, position_ids)
+        cos_sin = self._rope(x, position_ids, past + seq)
         if self.eagle3:  # the pre-norm output: the next step's feature; compute_logits norms it
             return self.layer(x, emb, mask, position_ids, past_key_values, cos_sin)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids,
                          cache=past_key_values, use_cache=past_key_values is not None,
                          position_embeddings=cos_sin)
         return self.norm(out)
+
+    def _rope(self, x: Tensor, position_ids: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+        """RoPE's ``(cos, sin)`` at ``position_ids`` (all below ``bound``). Decoding reads them
+        from a table kept between calls (the same values: each position's angles are computed
+        alone); training computes them."""
+        if torch.is_grad_enabled():
+            return self.rotary_emb(x, position_ids)
+        table = getattr(self, "_rope_table", None)
+        if (table is None or table[0].shape[0] < bound or table[0].dtype != x.dtype
+                or table[0].device != x.device):
+            n = max(bound, 2 * (0 if table is None else table[0].shape[0]), 1024)
+            cos, sin = self.rotary_emb(x, torch.arange(n, device=x.device)[None])
+            table = self._rope_table = (cos[0], sin[0])  # (n, d) each
+        return table[0][position_ids], table[1][position_ids]
 
     @staticmethod
     def _mask(attention_mask: Tensor | None, bsz: int, seq: int, past: int,

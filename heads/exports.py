@@ -18,16 +18,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.data.identity import TargetIdentity
-from draftsmith.heads.family import FAMILIES, DraftFamily, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import DraftFamily, ExportFormat, load_object
 from draftsmith.heads.manifest import listed
 from draftsmith.heads.package import DraftPackage, check_target, target_config, verify_package
-from draftsmith.heads.weights import WEIGHTS
 
-FORMATS = tuple(dict.fromkeys(fmt for family in FAMILIES.values()
-                              for fmt in family.export_formats))
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
-WEIGHTS_FILE = {"hf": WEIGHTS, "gguf": "draft.gguf", "eagle": WEIGHTS, "eagle3": WEIGHTS,
-                "speculators": WEIGHTS, "medusa": MEDUSA_WEIGHTS, "dflash": WEIGHTS}
 # Tensors of the EAGLE-1 decoder layer (``layers.0.*``; draftsmith's head names it ``layer.*``).
 EAGLE1_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
@@ -42,13 +37,30 @@ EAGLE3_LAYER_KEYS = EAGLE1_LAYER_KEYS + ("input_layernorm.weight", "hidden_norm.
 EAGLE3_LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 
 
+def export_formats() -> tuple[str, ...]:
+    """Every export format of the registered families (``DraftFamily.exports``; ``gguf`` is
+    llama.cpp's file for every family it runs, named once)."""
+    return tuple(dict.fromkeys(fmt for family in FAMILIES.values()
+                               for fmt in family.export_formats))
+
+
 def format_families(fmt: str) -> tuple[DraftFamily, ...]:
-    """The families whose drafts ``fmt`` holds (``DraftFamily.export_formats``): one per format,
-    but ``gguf``, llama.cpp's file for every family it runs."""
+    """The families whose drafts ``fmt`` holds: one per format, but ``gguf``."""
     found = tuple(f for f in FAMILIES.values() if fmt in f.export_formats)
     if not found:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {export_formats()}")
     return found
+
+
+def format_family(fmt: str) -> DraftFamily:
+    """The (first) family whose drafts ``fmt`` holds (``DraftFamily.exports``)."""
+    return format_families(fmt)[0]
+
+
+def export_format(fmt: str, family: DraftFamily | None = None) -> ExportFormat:
+    """The record of ``fmt`` (of ``family``'s drafts: a ``gguf`` is written and run differently
+    per family): its writer, reader, weights file and engine."""
+    return next(e for e in (family or format_family(fmt)).exports if e.name == fmt)
 
 
 def rename_prefix(state: dict[str, torch.Tensor], old: str,
@@ -194,10 +206,6 @@ def _read_dflash(weights: Path, family: DraftFamily, cfg: Any, info: dict,
     return module
 
 
-READERS = {"hf": _read_hf, "gguf": _read_gguf, "medusa": _read_medusa, "eagle": _read_eagle,
-           "eagle3": _read_eagle3, "speculators": _read_speculators, "dflash": _read_dflash}
-
-
 def import_export(path: str | Path, target: Any = None, allow_unverified: bool = False,
                   allow_unsigned: bool = False, trusted_keys: Any = None) -> DraftPackage:
     """Load an export made by ``scripts/export.py`` back into draftsmith's heads (round trip).
@@ -221,11 +229,12 @@ def import_export(path: str | Path, target: Any = None, allow_unverified: bool =
     cfg = family.config_class.from_dict(meta["head_config"])
     info = {"target": meta["target"], "target_config": meta.get("target_config"),
             "signer": signer}
-    module = READERS[fmt](root / WEIGHTS_FILE[fmt], family, cfg, info, target)
+    layout = export_format(fmt)
+    module = load_object(layout.reader)(root / layout.weights_file, family, cfg, info, target)
     module.float().eval()
     spec = root / "speculation.json"
     spec_listed = listed(meta, spec.name) and spec.is_file()
-    return DraftPackage(kind=kind, module=module, head_config=cfg,
+    return DraftPackage(family=family, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(meta["target"]), path=root,
                         info={**info, "export": meta},
                         speculation=json.loads(spec.read_text()) if spec_listed else None)

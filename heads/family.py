@@ -7,12 +7,12 @@ decode time (tree kind, a frequent-token draft vocabulary, assisting transformer
 the proposer that drafts with it and the export formats it supports. Training, packages,
 decoding, measuring, benchmarks and export ask the family; none of them branches on its name.
 
-``FAMILIES`` is the one list. Adding a family: a head module in ``heads/``, a ``DraftFamily``
-subclass here registered in ``FAMILIES``, its proposer in ``eval/`` and ``conf/draft/<name>.yaml``.
+``FAMILIES`` is the one list; :func:`register` adds a family defined anywhere (a plugin, a
+test), :func:`unregister` takes it out (ARCHITECTURE.md: "Adding a family").
 
-The proposer is named by its dotted path (resolved in ``eval/draft.py``) rather than imported:
-proposers live on the evaluation floor above ``heads/``, as serving engines keep their model
-registries as lazily resolved names.
+The proposer, the batched drafter and the export writers are named by dotted paths (resolved
+with ``family_base.load_object``) rather than imported: they live on the floors above
+``heads/``, as serving engines keep their model registries as lazily resolved names.
 """
 from __future__ import annotations
 
@@ -24,26 +24,25 @@ import torch
 from torch import nn
 
 from draftsmith.heads import dflash, dflash_train, draft_lm, eagle, eagle_ttt, medusa
-from draftsmith.heads.family_base import DraftFamily, HeadStateError, TreeKind
+from draftsmith.heads.family_base import DraftFamily, ExportFormat, HeadShape, TreeKind
+from draftsmith.heads.weights import WEIGHTS
 
-__all__ = ["FAMILIES", "DFlashFamily", "DraftFamily", "DraftLMFamily", "EagleFamily",
-           "HeadStateError", "MedusaFamily", "TreeKind", "get_family"]
+__all__ = ["FAMILIES", "DFlashFamily", "DraftLMFamily", "EagleFamily", "MedusaFamily",
+           "get_family", "register", "unregister"]
 
 log = logging.getLogger(__name__)
 
 
-def resolve_fuse_layers(raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
-    """``draft.config`` with ``fuse_layers: auto`` replaced by EAGLE-3's low / middle / high
-    hidden-state ids of the target (``heads.eagle.auto_fuse_layers``), the choice logged."""
-    raw = dict(raw)
-    if raw.get("fuse_layers") == "auto":
-        from draftsmith.heads.draft_config import text_config
+def _export(name: str, writer: str, engine: str = "vllm", method: str | None = None,
+            weights_file: str = WEIGHTS, module: str = "export_formats") -> ExportFormat:
+    """Written by ``scripts/<module>.py:<writer>``, read by ``heads.exports._read_<name>``."""
+    return ExportFormat(name, f"draftsmith.scripts.{module}.{writer}",
+                        f"draftsmith.heads.exports._read_{name}", weights_file, engine, method)
 
-        n = int(text_config(target_config).num_hidden_layers)
-        raw["fuse_layers"] = eagle.auto_fuse_layers(n)
-        log.info("draft.config.fuse_layers=auto -> %s (low / middle / high of %d layers)",
-                 raw["fuse_layers"], n)
-    return raw
+
+# a GGUF that llama.cpp's own converter writes and its llama-server runs (scripts/engines.py)
+CONVERTED_GGUF = _export("gguf", "write_gguf_export", "llama_server", weights_file="draft.gguf",
+                         module="export_gguf_convert")
 
 
 def _head_on_target(head_class: type, label: str, head_config: Any, target_config: Any,
@@ -87,9 +86,11 @@ class DraftLMFamily(DraftFamily):
     name = "lm"
     config_class = draft_lm.DraftLMConfig
     proposer = "draftsmith.eval.decoding.proposers.DraftLMProposer"
+    batch_drafter = "draftsmith.eval.decoding.batch_drafters.BatchDraftLM"
     draft_vocab = True
     hf_model = True
-    export_formats = ("hf", "gguf")
+    exports = (_export("hf", "_write_hf", method="draft_model"),
+               _export("gguf", "_write_gguf", "llama_cpp", weights_file="draft.gguf"))
     distill_targets = staticmethod(draft_lm.distill_targets)
 
     _WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
@@ -125,6 +126,8 @@ class DraftLMFamily(DraftFamily):
         return [1.0]
 
     def validate_against_target(self, draft_cfg, vocab_size, hidden_size, num_layers):
+        if draft_cfg.get("init_from"):  # the sizes are the starting package's or model's
+            return
         cfg = draft_cfg.get("config") or {}
         hidden, init, n = cfg.get("hidden_size"), cfg.get("init"), cfg.get("num_layers")
         if init == "target" and hidden is not None and hidden != hidden_size:
@@ -159,7 +162,8 @@ class MedusaFamily(DraftFamily):
     proposer = "draftsmith.eval.decoding.proposers_medusa.MedusaProposer"
     tree = TreeKind.STATIC
     tree_by_default = True
-    export_formats = ("medusa",)
+    exports = (_export("medusa", "_write_medusa", method="medusa",
+                       weights_file=medusa.MEDUSA_WEIGHTS),)
     distill_targets = staticmethod(medusa.distill_targets)
 
     def resolve_config(self, raw, target_config):
@@ -213,8 +217,36 @@ class MedusaFamily(DraftFamily):
                         "head is unset; call module.attach_target(target_model) before decoding")
         return head
 
+    def memory_shape(self, head_config):
+        return HeadShape(own_lm_heads=int(head_config.num_heads) if head_config.lm_head == "own"
+                         else 0)
+
     def max_draft_length(self, head_config):
         return int(head_config.num_heads)
+
+    def decode_options(self, cfg, measured_tree=None):
+        """``medusa_branching`` (top-k per head): given, else measured, else the default."""
+        given = cfg.get("medusa_branching")
+        if given:
+            return {"medusa_branching": tuple(int(b) for b in given)}, False
+        measured = getattr(measured_tree, "branching", None)
+        if measured is not None:
+            return {"medusa_branching": tuple(measured)}, True
+        return {"medusa_branching": medusa.DEFAULT_BRANCHING}, False
+
+    def check_measure_options(self, cfg):
+        bad = [list(b) for b in cfg["medusa_branchings"] if not b or any(int(x) < 1 for x in b)]
+        if bad:
+            raise ValueError(f"medusa_branchings takes non-empty lists of values >= 1, got {bad}; "
+                             "pass medusa_branchings=[] to skip the Medusa tree-shape search")
+
+    def tree_shapes(self, cfg, head_config):
+        """Each static tree of ``medusa_branchings`` that the heads can serve."""
+        longest = self.max_draft_length(head_config)
+        return [{"depth": len(b), "total_tokens": medusa.static_tree_size(b), "branching": b,
+                 "overrides": {"tree": "tree", "medusa_branching": b}}
+                for b in ([int(x) for x in b] for b in cfg["medusa_branchings"])
+                if len(b) <= longest]
 
 
 class EagleFamily(DraftFamily):
@@ -223,10 +255,14 @@ class EagleFamily(DraftFamily):
     name = "eagle"
     config_class = eagle.EagleConfig
     proposer = "draftsmith.eval.decoding.proposers_eagle.EagleProposer"
+    batch_drafter = "draftsmith.eval.decoding.batch_drafters.BatchEagle"
     tree_by_default = True
     batched_tree = True
     draft_vocab = True
-    export_formats = ("eagle", "eagle3", "speculators", "gguf")
+    exports = (_export("eagle", "_write_eagle", method="eagle"),
+               _export("eagle3", "_write_eagle3", method="eagle3"),
+               _export("speculators", "_write_speculators"),  # served as the model itself
+               CONVERTED_GGUF)
     gguf_layout = "eagle3"  # EAGLE-3 heads only (an EAGLE-1 head is refused with the reasons)
     distill_targets = staticmethod(eagle_ttt.distill_targets)
 
@@ -242,7 +278,7 @@ class EagleFamily(DraftFamily):
         """``fuse_layers: auto`` becomes EAGLE-3's low / middle / high layers of the target;
         ``draft_vocab_size: auto`` the target's vocabulary up to 32,768 ids, else 32,768 of its
         most frequent (``heads.eagle.auto_draft_vocab_size``)."""
-        raw = resolve_fuse_layers(raw, target_config)
+        raw = eagle.resolve_fuse_layers(raw, target_config)
         if raw.get("draft_vocab_size") == "auto":
             from draftsmith.heads.draft_config import text_config
 
@@ -254,6 +290,10 @@ class EagleFamily(DraftFamily):
 
     def distill_extra(self, n, layer_ids):
         return {"num_steps": n, "layer_ids": layer_ids}
+
+    def memory_shape(self, head_config):
+        return HeadShape(fused_layers=len(head_config.fuse_layers or []),
+                         reducible_vocab=head_config.draft_vocab_size is None)
 
     def draft_to_target(self, module, head_config):
         if head_config.draft_vocab_size is None:
@@ -300,14 +340,14 @@ class DFlashFamily(DraftFamily):
     config_class = dflash.DFlashConfig
     proposer = "draftsmith.eval.decoding.proposers_dflash.DFlashProposer"
     tree = TreeKind.NONE
-    export_formats = ("dflash", "gguf")
+    exports = (_export("dflash", "write_dflash", module="export_dflash"), CONVERTED_GGUF)
     gguf_layout = "zlab_dflash"
     distill_targets = staticmethod(dflash_train.distill_targets)
 
     def resolve_config(self, raw, target_config):
         """``fuse_layers: auto`` as EAGLE-3's; ``mask_token_id: auto`` (or null) becomes the
         target's pad id, else its EOS id (``heads.dflash.default_mask_token_id``)."""
-        raw = resolve_fuse_layers({"fuse_layers": "auto", **raw}, target_config)
+        raw = eagle.resolve_fuse_layers({"fuse_layers": "auto", **raw}, target_config)
         if raw.get("mask_token_id", "auto") in (None, "auto"):
             raw["mask_token_id"] = dflash.default_mask_token_id(target_config)
             log.info("draft.config.mask_token_id=auto -> %d (the target's pad id, else EOS id)",
@@ -325,6 +365,9 @@ class DFlashFamily(DraftFamily):
 
     def distill_extra(self, n, layer_ids):
         return {"num_steps": n, "layer_ids": layer_ids}
+
+    def memory_shape(self, head_config):
+        return HeadShape(fused_layers=len(head_config.fuse_layers or []))
 
     def validate(self, draft_cfg):
         cfg = dflash.DFlashConfig.from_dict(dict(draft_cfg.get("config") or {}))
@@ -373,6 +416,24 @@ class DFlashFamily(DraftFamily):
 
 FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (DraftLMFamily(), MedusaFamily(),
                                                          EagleFamily(), DFlashFamily())}
+
+
+def register(family: DraftFamily) -> DraftFamily:
+    """Add ``family`` to ``FAMILIES`` (``draft.kind=<its name>`` then trains, loads, decodes and
+    exports it); a ValueError when the name or one of its export formats is taken."""
+    if family.name in FAMILIES:
+        raise ValueError(f"a draft family named {family.name!r} is registered already")
+    taken = {fmt for f in FAMILIES.values() for fmt in f.export_formats}
+    clash = sorted(taken & set(family.export_formats))
+    if clash:
+        raise ValueError(f"export formats {clash} of {family.name!r} belong to another family")
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> DraftFamily:
+    """Take the family called ``name`` out of ``FAMILIES`` (a KeyError when it is not there)."""
+    return FAMILIES.pop(name)
 
 
 def get_family(name: str) -> DraftFamily:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import importlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -28,20 +30,72 @@ class HeadStateError(ValueError):
     """Stored tensors do not fit the head that the package's config describes."""
 
 
+@dataclass(frozen=True)
+class ExportFormat:
+    """One layout a family's drafts are exported in (``scripts/export.py format=<name>``).
+
+    Attributes:
+        name: the format's name (``format=``, the export's ``manifest.json`` ``export_format``).
+        writer: dotted path of its writer, ``(pkg, folder, WriteOptions) -> None`` (``scripts/``).
+        reader: dotted path of its reader back into a head, ``(weights path, family, head config,
+            info, target) -> module`` (``heads/exports.py`` reads every export).
+        weights_file: the file the weights are written to.
+        engine: the engine that runs it (``scripts/engines.py``: ``vllm``, ``llama_cpp``).
+        method: vLLM's speculative method (None: the engine reads the format itself).
+    """
+
+    name: str
+    writer: str
+    reader: str
+    weights_file: str
+    engine: str
+    method: str | None = None
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What sizes a head's training memory beyond its parameters (``train/memory.py``).
+
+    Attributes:
+        fused_layers: target layers fused into its input besides the final hidden state.
+        own_lm_heads: LM heads of its own that ``draft.config.lm_head=shared`` would remove.
+        reducible_vocab: it predicts the full vocabulary and ``draft.config.draft_vocab_size``
+            could reduce it.
+    """
+
+    fused_layers: int = 0
+    own_lm_heads: int = 0
+    reducible_vocab: bool = False
+
+
+def load_object(path: str) -> Any:
+    """The object a dotted path names (``package.module.Name``), imported on first use."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def max_tree_nodes(depth: int, topk: int) -> int:
+    """Most nodes a dynamic tree of ``depth`` can draft: ``topk`` at depth 1, ``topk**2`` below."""
+    return topk + (depth - 1) * topk * topk
+
+
 class DraftFamily(abc.ABC):
     """One draft family. Subclasses set the class attributes and override the hooks they need.
 
     Attributes:
         name: the family's name in configs and packages (``draft.kind``, ``draft_kind``).
         config_class: its head config dataclass (``from_dict`` / ``to_dict``).
-        proposer: dotted path of its ``eval`` proposer class (``for_draft`` builds it).
+        proposer: dotted path of its ``eval`` proposer class (``Proposer.for_draft`` builds it).
+        batch_drafter: dotted path of its batched drafter (``eval/decoding/batch_drafters.py``,
+            built from the proposer), None: it decodes one prompt at a time.
         tree: how it drafts trees (``TreeKind.NONE``: chains only, ``tree=tree`` is refused).
         tree_by_default: what ``tree=auto`` drafts when nothing was measured.
         batched_tree: it drafts trees in batches too (``eval/decode.py batch_size=B tree=tree``).
         draft_vocab: it can draft over the most frequent target ids at decode time.
         hf_model: the module is a whole transformers causal LM (``save_pretrained``; it can be
             transformers' ``assistant_model``).
-        export_formats: the ``scripts/export.py`` formats it can be written in.
+        exports: the ``scripts/export.py`` formats it can be written in, each with its writer,
+            reader and engine (:class:`ExportFormat`; ``export_formats`` their names).
         gguf_layout: how its ``gguf`` export is made: None = written directly (a llama-class
             draft LM); else the layout llama.cpp's converter reads it from
             (``scripts/export_gguf_convert.py``: ``eagle3``, ``zlab_dflash``).
@@ -50,15 +104,21 @@ class DraftFamily(abc.ABC):
     name: ClassVar[str]
     config_class: ClassVar[type]
     proposer: ClassVar[str]
+    batch_drafter: ClassVar[str | None] = None
     tree: ClassVar[TreeKind] = TreeKind.DYNAMIC
     tree_by_default: ClassVar[bool] = False
     batched_tree: ClassVar[bool] = False
     draft_vocab: ClassVar[bool] = False
     hf_model: ClassVar[bool] = False
-    export_formats: ClassVar[tuple[str, ...]] = ()
+    exports: ClassVar[tuple[ExportFormat, ...]] = ()
     gguf_layout: ClassVar[str | None] = None
 
     distill_targets: ClassVar[Callable[..., list]]
+
+    @property
+    def export_formats(self) -> tuple[str, ...]:
+        """The names of :attr:`exports`."""
+        return tuple(e.name for e in self.exports)
 
     # ------------------------------------------------------------------ training
     def resolve_config(self, raw: Mapping[str, Any], target_config: Any) -> dict[str, Any]:
@@ -96,6 +156,10 @@ class DraftFamily(abc.ABC):
     def draft_to_target(self, module: nn.Module, head_config: Any) -> Tensor | None:
         """(V_draft,) target id of each draft id for a reduced-vocabulary head, else None."""
         return None
+
+    def memory_shape(self, head_config: Any) -> HeadShape:
+        """The head's sizes that ``train/memory.py`` estimates and can shrink."""
+        return HeadShape()
 
     def validate(self, draft_cfg: Mapping[str, Any]) -> None:
         """Check ``draft.config`` values before anything loads; raise ValueError naming the fix."""
@@ -179,3 +243,32 @@ class DraftFamily(abc.ABC):
     def default_draft_length(self, head_config: Any) -> int:
         """The draft length an export advertises when none was measured."""
         return self.max_draft_length(head_config) or 3
+
+    def decode_options(self, cfg: Mapping[str, Any],
+                       measured_tree: Any = None) -> tuple[dict[str, Any], bool]:
+        """The family's own decode options (``DraftSettings.options``) from the decode config
+        ``cfg``, else from ``measured_tree`` (``eval.draft.MeasuredTree``, given when a measured
+        tree is drafted), else defaults; and whether they came from the measured tree."""
+        return {}, False
+
+    def check_measure_options(self, cfg: Mapping[str, Any]) -> None:
+        """Check the family's keys of ``conf/eval/measure.yaml``; a ValueError names the fix."""
+
+    def tree_shapes(self, cfg: Mapping[str, Any], head_config: Any) -> list[dict[str, Any]]:
+        """The tree shapes ``eval/measure.py`` decodes with, as ``{"depth", "total_tokens",
+        "overrides"}`` (the decode options drafting it): for a dynamic tree each (depth, size) of
+        ``tree_depths`` x ``tree_sizes`` (a size larger than a depth can hold, ``topk`` nodes per
+        expanded node and ``topk`` expanded per depth, is the full tree of that depth and is tried
+        once); none for a family that drafts chains only."""
+        if self.tree is not TreeKind.DYNAMIC:
+            return []
+        shapes: list[dict[str, Any]] = []
+        topk = int(cfg["tree_topk"])
+        for depth in sorted({int(d) for d in cfg["tree_depths"]}):
+            cap = max_tree_nodes(depth, topk)
+            sizes = sorted({int(n) for n in cfg["tree_sizes"]})
+            over = [n for n in sizes if n > cap][:1]  # any of them is the full tree
+            sizes = [n for n in sizes if n <= cap] + ([] if cap in sizes else over)
+            shapes += [{"depth": depth, "total_tokens": n,
+                        "overrides": {"tree": "tree", "tree_size": n}} for n in sizes]
+        return shapes

@@ -34,6 +34,9 @@ from draftsmith.heads.blocks import (
 
 log = logging.getLogger(__name__)
 LM_HEAD_MODES = ("auto", "own", "shared")
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"  # the name Medusa's training, TGI and TRT-LLM use
+DEFAULT_BRANCHING = (4, 2, 2, 1)  # decode option medusa_branching: the static tree when none
+# was given nor measured
 OWN_LM_HEAD_BYTES = 2 * 1024 ** 3  # lm_head=auto: own LM heads while their training state fits
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two AdamW moments
 
@@ -81,7 +84,6 @@ class MedusaConfig(HeadConfig):
             raise ValueError("MedusaConfig.lm_head=auto is not resolved yet: resolve it against "
                              "the target first (heads.medusa.resolve_lm_head)")
         return self.lm_head == "shared"
-
 
     def loss_weights(self) -> list[float]:
         """Per-head loss weights ``[decay**0, decay**1, ...]``."""
@@ -250,6 +252,8 @@ def build_medusa(cfg: MedusaConfig, target_model: PreTrainedModel) -> MedusaHead
     else:
         heads.init_lm_heads(w)
     return heads
+
+
 def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_mask: Tensor,
                     attention_mask: Tensor | None = None) -> list[DistillTarget]:
     """Training pairs for every head (draft position k = i+1 for head i), packed.
@@ -281,3 +285,13 @@ def distill_targets(heads: MedusaHeads, input_ids: Tensor, hidden: Tensor, loss_
         out.append(DistillTarget(heads.head_logits(inputs, i), teacher, mask, labels,
                                  teacher_index=rows))
     return out
+
+
+def static_tree_size(branching: list[int] | tuple[int, ...]) -> int:
+    """Nodes of the static tree ``branching`` drafts: the top ``branching[d-1]`` tokens of head
+    ``d-1`` under every node of the depth above (a Cartesian product), summed over depths."""
+    total, width = 0, 1
+    for b in branching:
+        width *= int(b)
+        total += width
+    return total

@@ -21,14 +21,10 @@ target or tokenizer. Optional files (``speculation.json``) are read only when li
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import glob
 import json
 import logging
-import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,19 +32,19 @@ from typing import Any
 from torch import nn
 
 from draftsmith.data.identity import TargetIdentity, TargetMismatchError, sha256_file
-from draftsmith.heads.family import FAMILIES, DraftFamily, HeadStateError, get_family
-from draftsmith.heads.manifest import (  # noqa: F401 (re-exported: the package API)
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import DraftFamily, HeadStateError
+from draftsmith.heads.manifest import (
     CARD,
     MANIFEST,
     SIGNATURE,
     PackageIntegrityError,
     listed,
-    manifest_problems,
-    read_manifest,
     verify_manifest,
     write_json_atomic,
     write_manifest,
 )
+from draftsmith.heads.publish import staged
 from draftsmith.heads.signing import (
     PackageSignatureError,
     sign_folder,
@@ -69,7 +65,7 @@ class DraftPackage:
     """A loaded draft package.
 
     Attributes:
-        kind: the draft family's name (``heads.family.FAMILIES``).
+        family: the draft's family (``heads.family.FAMILIES``; ``draft_kind`` in its files).
         module: the draft ``nn.Module`` (eval mode).
         head_config: the family's config dataclass.
         identity: the ``TargetIdentity`` the draft was trained for.
@@ -78,17 +74,13 @@ class DraftPackage:
         info: contents of ``draftsmith.json``.
     """
 
-    kind: str
+    family: DraftFamily
     module: nn.Module
     head_config: Any
     identity: Any
     speculation: dict | None
     path: Path
     info: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def family(self) -> DraftFamily:
-        return get_family(self.kind)
 
 
 # ----------------------------------------------------------------------------- verify / write
@@ -125,99 +117,6 @@ def verify_folder(root: str | Path, allow_unverified: bool = False, allow_unsign
                   trusted_keys: Any = None) -> dict[str, Any]:
     """:func:`verify_package`'s manifest (signature and every file checked)."""
     return verify_package(root, allow_unverified, allow_unsigned, trusted_keys)[0]
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (``os.kill(pid, 0)``; another user's process counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists but belongs to someone else
-        return True
-    return True
-
-
-def remove_stale_siblings(out: Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
-    """Remove ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` left beside ``out`` by killed writers.
-
-    Only folders whose pid is not a live process are removed (a live writer's are kept, this
-    process's own included), each with a log line. A dead writer's ``.old-<pid>`` is removed
-    only while ``out`` exists: without ``out`` it is the only copy of the previous package (a
-    kill between the two renames of :func:`publish_dir`), so it is kept and named in a warning.
-
-    Returns:
-        The folders removed.
-    """
-    removed = []
-    for kind in kinds:
-        for path in sorted(out.parent.glob(f"{glob.escape(out.name)}.{kind}-*")):
-            pid = path.name[len(out.name) + len(kind) + 2:]
-            if not pid.isdigit() or int(pid) <= 0 or _pid_alive(int(pid)):
-                continue
-            if kind == "old" and not out.exists():
-                log.warning("%s is the previous version of %s left by killed process %s and "
-                            "nothing is at %s: kept (move it back with: mv %s %s)",
-                            path, out, pid, out, path, out)
-                continue
-            log.warning("removing %s, left by process %s that was killed while writing %s",
-                        path, pid, out)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            removed.append(path)
-    return removed
-
-
-def publish_dir(tmp: Path, out: Path) -> None:
-    """Move a complete folder ``tmp`` to ``out``, replacing an older ``out`` without a half state.
-
-    ``os.replace`` cannot replace a non-empty folder, so an old ``out`` is first renamed aside;
-    a kill between the two renames leaves no package at ``out`` (and the old one beside it as
-    ``<out>.old-<pid>``), never a mixed one. Once ``out`` is in place, ``.old-<pid>`` folders
-    of dead processes are superseded and removed (:func:`remove_stale_siblings`).
-    """
-    _fsync_tree(tmp)
-    old = out.with_name(f"{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
-    remove_stale_siblings(out, kinds=("old",))
-
-
-@contextlib.contextmanager
-def staged(out: Path) -> Iterator[Path]:
-    """Build a folder for ``out`` in a fresh temporary sibling (:func:`fresh_tmp_dir`): it is
-    published as ``out`` (:func:`publish_dir`) when the block ends, and removed if it raises."""
-    tmp = fresh_tmp_dir(out)
-    try:
-        yield tmp
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def fresh_tmp_dir(out: Path) -> Path:
-    """An empty ``<out>.tmp-<pid>`` folder next to ``out``; first the temporary folders of
-    killed writers beside ``out`` are removed (:func:`remove_stale_siblings`)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_siblings(out)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
 
 
 # ----------------------------------------------------------------------------- config helpers
@@ -419,14 +318,16 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
     quant = info.get("quantization")
     if quant:  # an int8 copy (scripts/quantize.py): the int8 weights are made from the stored ones
         from draftsmith.heads.quantize import quantize
-        try:
-            quantize(module, quant.get("scheme"), list(quant.get("modules") or []))
+        from draftsmith.heads.weights import stored_int8
+        try:  # (or are stored as int8 already: a release of an int8 copy)
+            quantize(module, quant.get("scheme"), list(quant.get("modules") or []),
+                     stored_int8(root) if not family.hf_model else None)
         except ValueError as e:
             raise PackageIntegrityError(root, [f"{PACKAGE_JSON} quantization: {e}"]) from e
     module.eval()
     listed_spec = listed(manifest, SPECULATION) and (root / SPECULATION).is_file()
     speculation = json.loads((root / SPECULATION).read_text()) if listed_spec else None
-    return DraftPackage(kind=kind, module=module, head_config=cfg,
+    return DraftPackage(family=family, module=module, head_config=cfg,
                         identity=TargetIdentity.from_dict(info["target"]), speculation=speculation,
                         path=root, info=info)
 

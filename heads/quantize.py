@@ -35,18 +35,30 @@ SCHEMES = ("int8", "int8_dynamic", "int4")
 FP32_ONLY = ("int8_dynamic",)  # schemes whose kernels take float32 inputs only
 
 
+def int8_weights(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Weight-only int8 of a Linear's ``(out, in)`` weight: int8 values and float32 scales,
+    symmetric per output channel (each channel's largest magnitude maps to 127)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
 class Int8Linear(nn.Module):
     """A ``Linear`` with int8 weights (symmetric per output channel) and float activations.
 
     ``weight`` gives the dequantized weights (for code that reads a Linear's weight)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, stored: tuple[Tensor, Tensor] | None = None) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        q, scales = stored if stored is not None else int8_weights(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-127, 127)
-                             .to(torch.int8).contiguous())
+        if tuple(q.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"stored int8 weights {tuple(q.shape)} do not fit a Linear of "
+                             f"{(self.out_features, self.in_features)}")
+        # a fresh (aligned) copy: the int8 kernel reads it with aligned vector loads, and a tensor
+        # straight from a safetensors file may sit at any offset
+        self.register_buffer("weight_int8",
+                             q.to(torch.int8).clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
@@ -118,9 +130,12 @@ def quantizable(module: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
             if isinstance(m, nn.Linear) and name.split(".")[-1] not in skip]
 
 
-def quantize(module: nn.Module, scheme: str, names: list[str]) -> nn.Module:
+def quantize(module: nn.Module, scheme: str, names: list[str],
+             stored: dict[str, tuple[Tensor, Tensor]] | None = None) -> nn.Module:
     """Replace the ``nn.Linear`` modules ``names`` of ``module`` by int8 / int4 ones, in place
-    (``int8_dynamic`` also turns the module float32); returns ``module``.
+    (``int8_dynamic`` also turns the module float32); returns ``module``. ``stored``: int8
+    values and scales a package stored per module (``heads.weights.stored_int8``), used as they
+    are instead of quantizing the module's weights again.
 
     Raises:
         ValueError: an unknown scheme, or a name that is not a Linear of this module.
@@ -138,11 +153,15 @@ def quantize(module: nn.Module, scheme: str, names: list[str]) -> nn.Module:
         module.float()
         quantize_dynamic(module, {n: per_channel_dynamic_qconfig for n in names}, inplace=True)
         return module
-    layer = Int4Linear if scheme == "int4" else Int8Linear
+    stored = stored or {}
+    if stored and scheme != "int8":
+        raise ValueError(f"stored int8 weights in a {scheme} package")
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = module.get_submodule(parent) if parent else module
-        setattr(owner, leaf, layer(getattr(owner, leaf)))
+        linear = getattr(owner, leaf)
+        setattr(owner, leaf, Int4Linear(linear) if scheme == "int4"
+                else Int8Linear(linear, stored.get(name)))
     return module
 
 

@@ -4,6 +4,14 @@ Hugging Face index (``model-00001-of-0000N.safetensors`` + ``model.safetensors.i
 
 Shards keep every file of a release under a size that plain hosting and git take (a release's
 weights are committed once); the manifest lists and signs each shard like any other file.
+
+An int8 package (``scripts/quantize.py``: weight-only int8, symmetric per output channel) may
+store its quantized Linears as what a decode uses: ``<module>.weight_int8`` (int8) and
+``<module>.weight_scale`` (per output channel) instead of ``<module>.weight`` (:func:`int8_state`),
+half the bytes of bf16. :func:`load_weights` gives ``weight = weight_int8 * weight_scale`` back
+(what the head's float shapes are checked with), and :func:`stored_int8` the int8 values and
+scales the package's int8 Linears then use as they are, so a stored int8 package drafts exactly
+as its float source's int8 copy did.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from torch import Tensor
 
 WEIGHTS = "model.safetensors"  # a head's stored tensors inside a package (one file)
 WEIGHTS_INDEX = "model.safetensors.index.json"  # ... or the index of its shards
+INT8, SCALE = ".weight_int8", ".weight_scale"  # a Linear stored as int8 (see the docstring)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -56,6 +65,32 @@ def save_weights(state: Mapping[str, Tensor], folder: Path, metadata: dict[str, 
     return [*files, WEIGHTS_INDEX]
 
 
+def int8_state(state: Mapping[str, Tensor], modules: list[str]) -> dict[str, Tensor]:
+    """``state`` with each Linear of ``modules`` stored as its weight-only int8 values and float32
+    per-channel scales (``heads.quantize.int8_weights``, computed from the weights as given: pass
+    the trained float32 ones); other tensors unchanged."""
+    from draftsmith.heads.quantize import int8_weights
+
+    out = dict(state)
+    for name in modules:
+        q, scale = int8_weights(out.pop(f"{name}.weight"))
+        out[f"{name}{INT8}"], out[f"{name}{SCALE}"] = q.contiguous(), scale.contiguous()
+    return out
+
+
+def _split_int8(state: dict[str, Tensor]) -> tuple[dict[str, Tensor],
+                                                  dict[str, tuple[Tensor, Tensor]]]:
+    """The float state (stored int8 Linears dequantized: ``weight = int8 x scale``) and the
+    stored int8 values and scales by module."""
+    stored = {}
+    for key in [k for k in state if k.endswith(INT8)]:
+        name = key[: -len(INT8)]
+        q, scale = state.pop(key), state.pop(f"{name}{SCALE}")
+        stored[name] = (q, scale)
+        state[f"{name}.weight"] = q.float() * scale.float()[:, None]
+    return state, stored
+
+
 def weight_files(folder: Path) -> list[str]:
     """The files holding a package's tensors (the index and its shards, or the one file)."""
     index = folder / WEIGHTS_INDEX
@@ -66,7 +101,17 @@ def weight_files(folder: Path) -> list[str]:
 
 
 def load_weights(folder: Path) -> dict[str, Tensor]:
-    """Every stored tensor of a package (its shards through the index, or the one file)."""
+    """Every stored tensor of a package (its shards through the index, or the one file), int8
+    Linears as their dequantized float weights."""
+    return _split_int8(_load_all(folder))[0]
+
+
+def stored_int8(folder: Path) -> dict[str, tuple[Tensor, Tensor]]:
+    """The int8 values and scales a package stores, by module (empty: none stored as int8)."""
+    return _split_int8(_load_all(folder))[1]
+
+
+def _load_all(folder: Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     index = folder / WEIGHTS_INDEX

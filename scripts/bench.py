@@ -13,8 +13,9 @@ throughput are measured by ``scripts/bench_train.py`` (``make bench`` runs both)
 
 Per method the tables give medians over prompts of tokens/s, and ratios measured in this run
 (per prompt: method tokens/s over plain decoding's tokens/s on the same prompt; median over
-prompts). ``bench/results.json`` holds everything, ``bench/results.md`` the tables, with the
-hardware, versions, date and command.
+prompts: the paired speedup of :mod:`eval.speedup`). The fallback bound of decode.py's defaults
+is :mod:`scripts.bench_fallback`. ``bench/results.json`` holds everything, ``bench/results.md``
+the tables, with the hardware, versions, date and command.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import json
 import resource
 import statistics
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,38 +32,35 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.data.dtype import resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import decode, session
 from draftsmith.eval.checks import check_out_dir, check_sampling, integer
-from draftsmith.eval.decoding.stats import DecodeStats
-from draftsmith.eval.decoding.target_model import native_gqa
-from draftsmith.eval.draft import DEFAULT_K, Measured, build_proposer, load_draft, resolve_k, settle
-from draftsmith.eval.kstar import environment
-from draftsmith.heads.family import FAMILIES, TreeKind
+from draftsmith.eval.draft import Measured, load_draft
+from draftsmith.eval.machine import environment
+from draftsmith.eval.markdown import table, write_markdown
+from draftsmith.eval.speedup import paired_speedup
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.vocab import FULL
+from draftsmith.scripts.bench_drafts import draft_paths, measured_tree, package_k, speculation_of
+from draftsmith.scripts.bench_fallback import bench_fallback, fallback_markdown
+from draftsmith.scripts.tooling import note, repo_path
 
-REPO = Path(__file__).resolve().parents[1]
 CONF_FILE = decode.CONF_DIR / "bench.yaml"
-USELESS = "useless-"  # fallback_bound.drafts: useless-<family> = that package, proposals shifted
+TOOL = "bench"  # the tag of its progress lines
 
 
-# ----------------------------------------------------------------------------- helpers
-def repo_path(p: str | Path) -> Path:
-    """A path from the config: relative paths are relative to the repository."""
-    p = Path(str(p)).expanduser()
-    return p if p.is_absolute() else (REPO / p).resolve()
-
-
+# ----------------------------------------------------------------------------- rows
 def per_prompt_tps(samples: list[dict]) -> list[float]:
     """Tokens/s of each sample (new tokens over its generation wall time)."""
     return [len(s["output_ids"]) / s["wall_time_s"] if s["wall_time_s"] else 0.0 for s in samples]
 
 
-def paired_ratio(samples: list[dict], base: list[dict]) -> float | None:
-    """Median over prompts of (tokens/s of ``samples``) / (tokens/s of ``base``), same prompts."""
-    ratios = [a / b for a, b in zip(per_prompt_tps(samples), per_prompt_tps(base)) if b > 0]
-    return statistics.median(ratios) if ratios else None
+def speedup_over(samples: list[dict], base: list[dict]) -> float | None:
+    """The paired speedup of ``samples`` over ``base``, decoded from the same prompts."""
+    return paired_speedup(per_prompt_tps(samples), per_prompt_tps(base)).median
 
 
 def row(method: str, result: dict, temperature: float, plain: dict | None,
@@ -76,17 +74,13 @@ def row(method: str, result: dict, temperature: float, plain: dict | None,
             "tokens": s["tokens_generated"], "median_tokens_per_s": statistics.median(tps),
             "tokens_per_s": s["tokens_per_s"], "tau": s.get("tau"),
             "acceptance_rate": s.get("acceptance_rate"), "alpha": s.get("alpha") or [],
-            "speedup_vs_plain": paired_ratio(samples, plain["samples"]) if plain else None,
-            "speedup_vs_hf_generate": paired_ratio(samples, hf["samples"]) if hf else None,
+            "speedup_vs_plain": speedup_over(samples, plain["samples"]) if plain else None,
+            "speedup_vs_hf_generate": speedup_over(samples, hf["samples"]) if hf else None,
             "lossless": s.get("lossless"),
             # T=0: share of prompts whose output equals plain decoding's (lossless check)
             "same_as_plain": (statistics.fmean(a["output_ids"] == b["output_ids"] for a, b in
                                                zip(samples, plain["samples"]))
                               if plain and temperature == 0 else None)}
-
-
-def note(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -100,72 +94,27 @@ def _ours(cfg: DictConfig, loaded: Any, draft: str, temperature: float, k: int |
         "adaptive_k": adaptive, "fallback": adaptive, "tree": tree,
         "tree_topk": int(cfg.tree_topk), "tree_size": cfg.tree_size,
         "medusa_branching": (None if cfg.medusa_branching is None else list(cfg.medusa_branching)),
-        "baseline": False, "dtype": cfg.dtype,
+        "baseline": False, "dtype": cfg.dtype, "suffix": False,  # the package alone
         "device": cfg.device, "seed": int(cfg.seed), "out": None})
     return decode.run(dcfg, loaded)
 
 
-def speculation_of(path: str | None) -> dict | None:
-    """The package's ``speculation.json``, or None."""
-    spec = repo_path(path) / "speculation.json" if path else None
-    return json.loads(spec.read_text()) if spec is not None and spec.is_file() else None
+@dataclass
+class _Plan:
+    """What the decoding benchmark runs, settled once before the temperatures."""
+
+    drafts: dict[str, str]  # family -> package
+    k_of: dict[str, tuple[int, str]]  # family -> (K, where it came from)
+    assist: str | None  # the family that can be transformers' assistant_model
+    k_lm: int
+    k_src: str
+    assistant: Any  # the assistant's module, or None
+    tree_depth_of: dict[tuple[str, float | None], int | None]  # (family, T) -> measured depth
+    vocab_of: dict[str, Any]  # family -> its measured draft vocabulary (or FULL)
+    assisted_ks: list[int]
 
 
-def package_k(path: str | None, k: int | None, dtype: str | None = None,
-              device: str | None = None) -> tuple[int, str]:
-    """K for a package: ``k`` when set, else its measured K* (``speculation.json``), else 4.
-
-    A measured K* of 0 (plain decoding wins) would turn the draft's methods into plain decoding,
-    so they run at the default K instead, and the source says so.
-    """
-    k_used, source = resolve_k(k, speculation_of(path), dtype, device)
-    if k_used == 0:
-        return DEFAULT_K, "default (measured K*=0)"
-    return k_used, source
-
-
-def useless_copy(fam: str, lm_path: str, loaded: Any, out_dir: Path) -> str:
-    """A draft LM package whose proposals are useless at the same cost: the lm package with its
-    LM-head rows shifted by one token id (untied from the input embeddings, which stay as they
-    were), so that it always proposes the neighbour of what it would have proposed. It measures
-    the fallback bound: on such a draft, decode.py's defaults must stay close to plain decoding."""
-    from draftsmith.heads.package import save_package
-
-    pkg = load_draft(lm_path, loaded)
-    head = pkg.module.get_output_embeddings()
-    head.weight = torch.nn.Parameter(head.weight.detach().roll(1, dims=0).clone())
-    pkg.module.config.tie_word_embeddings = False
-    out = out_dir / f"{USELESS}{fam}"
-    save_package(out, fam, pkg.module, pkg.head_config, pkg.identity)
-    return str(out)
-
-
-def draft_paths(cfg: DictConfig) -> dict[str, str]:
-    """The draft packages given on the command line that exist (a note for each one skipped)."""
-    drafts = {}
-    for fam in FAMILIES:
-        path = cfg.get(fam)
-        if path is None:
-            note(f"no {fam}= package given: skipping {fam} methods")
-        elif not repo_path(path).is_dir():
-            note(f"{fam}={path} does not exist: skipping {fam} methods")
-        else:
-            drafts[fam] = str(repo_path(path))
-    return drafts
-
-
-def measured_tree(path: str, cfg: DictConfig, temperature: float | None = None) -> int | None:
-    """The depth of the package's measured tree shape for this run (``speculation.json``, the
-    record measured nearest ``temperature``; None: the top-level one), or None."""
-    measured, _ = Measured.of(speculation_of(path), cfg.dtype, cfg.device, temperature)
-    return measured.tree.depth if measured is not None and measured.tree is not None else None
-
-
-def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
-    """Every decoding method at every temperature; rows of :func:`row`."""
-    from draftsmith.eval.peers import run_peer_on
-
-    model, tok = loaded.model, loaded.tokenizer
+def _plan(cfg: DictConfig, loaded: Any) -> _Plan:
     drafts = draft_paths(cfg)
     k_of = {fam: package_k(path, cfg.k, cfg.dtype, cfg.device) for fam, path in drafts.items()}
     # the draft that can be transformers' assistant_model (a whole causal LM) runs assisted too
@@ -187,153 +136,103 @@ def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[di
             vocab_of[fam] = (measured.draft_vocab if measured and measured.draft_vocab
                              else FULL)
     assisted_ks = sorted({k_lm} | ({lm_tree_depth} if lm_tree_depth else set()))
+    return _Plan(drafts, k_of, assist, k_lm, k_src, assistant, tree_depth_of, vocab_of,
+                 assisted_ks)
+
+
+def _peers(cfg: DictConfig, loaded: Any, records: list[dict], t: float,
+           plan: _Plan) -> tuple[dict | None, dict[str, dict]]:
+    """transformers at temperature ``t``: ``generate`` and the peers (assisted generation at
+    each K, stock and with native GQA; prompt lookup)."""
+    from draftsmith.eval.peers import run_peer_on
+
+    model, tok = loaded.model, loaded.tokenizer
+    common = {"temperature": t, "max_new_tokens": int(cfg.max_new_tokens), "seed": int(cfg.seed),
+              "tokenizer": tok, "baseline": False}
+    hf, peers = None, {}
+    if cfg.hf_generate:
+        note(TOOL, f"T={t}: transformers generate")
+        hf = run_peer_on(model, records, "hf_generate", **common)
+        for k_a in plan.assisted_ks if plan.assistant is not None else []:
+            # stock, and with the native-GQA attention our decoder's forwards use (like for
+            # like: what is left is the decoding loop)
+            for suffix, gqa in (("", False), (" native-gqa", True)):
+                note(TOOL, f"T={t}: transformers generate(assistant_model=lm), K={k_a}{suffix}")
+                with native_gqa(gqa):
+                    peers[f"hf_assisted K={k_a}{suffix}"] = run_peer_on(
+                        model, records, "hf_assisted", k=k_a, schedule="constant",
+                        assistant=plan.assistant, **common)
+    if cfg.prompt_lookup:
+        note(TOOL, f"T={t}: transformers prompt_lookup_num_tokens={plan.k_lm}")
+        peers["hf_prompt_lookup"] = run_peer_on(model, records, "hf_prompt_lookup",
+                                                k=plan.k_lm, **common)
+    return hf, peers
+
+
+def _ours_at(cfg: DictConfig, loaded: Any, t: float, plan: _Plan) -> dict[str, tuple[str, dict]]:
+    """Our decoder with every draft at temperature ``t``: name -> (family, result)."""
+    ours = {}
+    for fam, path in plan.drafts.items():
+        family = FAMILIES[fam]
+        if family.tree is TreeKind.STATIC:  # its tree is how it drafts
+            modes = [("tree", fam)]
+        else:  # the chain, and the dynamic tree where it is the default or was measured
+            tree_runs = family.tree_by_default or plan.tree_depth_of[fam, t]
+            modes = [("chain", fam)] + ([("tree", f"{fam}-tree")] if tree_runs else [])
+        # a measured frequent-token draft vocabulary runs as the default; the tree also runs
+        # over the whole vocabulary, which shows what the smaller LM head buys
+        vocabs = [(None, "")]
+        if fam in plan.vocab_of and plan.vocab_of[fam] != FULL and cfg.draft_vocab is None:
+            vocabs.append((FULL, " full-vocab"))
+        for tree, name in modes:
+            for vocab, suffix in vocabs if tree == "tree" else vocabs[:1]:
+                note(TOOL, f"T={t}: ours {name}{suffix}")
+                depth = plan.tree_depth_of[fam, t] if tree == "tree" else None
+                if depth:  # the measured tree shape (also where it does not pay: shown as such)
+                    res = _ours(cfg, loaded, path, t, depth, tree, draft_vocab=vocab)
+                    res["summary"]["k_source"] = "speculation.json (tree)"
+                else:
+                    res = _ours(cfg, loaded, path, t, plan.k_of[fam][0], tree, draft_vocab=vocab)
+                    res["summary"]["k_source"] = plan.k_of[fam][1]
+                ours[name + suffix] = (fam, res)
+        if cfg.auto_rows and family.tree is TreeKind.DYNAMIC:
+            # the decoder's defaults: K from speculation.json (else 4), adaptive K and the
+            # fallback to plain decoding when speculation is measured to be a loss
+            note(TOOL, f"T={t}: ours {fam} (decode.py defaults: adaptive K + fallback)")
+            res = _ours(cfg, loaded, path, t, None, "chain", adaptive=True)
+            ours[f"{fam} adaptive+fallback"] = (fam, res)
+    return ours
+
+
+def bench_decoding(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
+    """Every decoding method at every temperature; rows of :func:`row`."""
+    plan = _plan(cfg, loaded)
     rows = []
     for t in [float(x) for x in cfg.temperatures]:
-        note(f"T={t}: plain decoding (ours)")
+        note(TOOL, f"T={t}: plain decoding (ours)")
         plain = _ours(cfg, loaded, "none", t, 0, "auto")
-        hf = None
-        peers = {}
-        if cfg.hf_generate:
-            note(f"T={t}: transformers generate")
-            hf = run_peer_on(model, records, "hf_generate", temperature=t,
-                             max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed),
-                             tokenizer=tok, baseline=False)
-            for k_a in assisted_ks if assistant is not None else []:
-                # stock, and with the native-GQA attention our decoder's forwards use (like for
-                # like: what is left is the decoding loop)
-                for suffix, gqa in (("", False), (" native-gqa", True)):
-                    note(f"T={t}: transformers generate(assistant_model=lm), K={k_a}{suffix}")
-                    with native_gqa(gqa):
-                        peers[f"hf_assisted K={k_a}{suffix}"] = run_peer_on(
-                            model, records, "hf_assisted", temperature=t, k=k_a,
-                            schedule="constant", assistant=assistant,
-                            max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed),
-                            tokenizer=tok, baseline=False)
-        if cfg.prompt_lookup:
-            note(f"T={t}: transformers prompt_lookup_num_tokens={k_lm}")
-            peers["hf_prompt_lookup"] = run_peer_on(
-                model, records, "hf_prompt_lookup", temperature=t, k=k_lm,
-                max_new_tokens=int(cfg.max_new_tokens), seed=int(cfg.seed), tokenizer=tok,
-                baseline=False)
-        ours = {}
-        for fam, path in drafts.items():
-            family = FAMILIES[fam]
-            if family.tree is TreeKind.STATIC:  # its tree is how it drafts
-                modes = [("tree", fam)]
-            else:  # the chain, and the dynamic tree where it is the default or was measured
-                tree_runs = family.tree_by_default or tree_depth_of[fam, t]
-                modes = [("chain", fam)] + ([("tree", f"{fam}-tree")] if tree_runs else [])
-            # a measured frequent-token draft vocabulary runs as the default; the tree also runs
-            # over the whole vocabulary, which shows what the smaller LM head buys
-            vocabs = [(None, "")]
-            if fam in vocab_of and vocab_of[fam] != FULL and cfg.draft_vocab is None:
-                vocabs.append((FULL, " full-vocab"))
-            for tree, name in modes:
-                for vocab, suffix in vocabs if tree == "tree" else vocabs[:1]:
-                    note(f"T={t}: ours {name}{suffix}")
-                    depth = tree_depth_of[fam, t] if tree == "tree" else None
-                    if depth:  # the measured tree shape (also where it does not pay: shown as such)
-                        res = _ours(cfg, loaded, path, t, depth, tree, draft_vocab=vocab)
-                        res["summary"]["k_source"] = "speculation.json (tree)"
-                    else:
-                        res = _ours(cfg, loaded, path, t, k_of[fam][0], tree, draft_vocab=vocab)
-                        res["summary"]["k_source"] = k_of[fam][1]
-                    ours[name + suffix] = (fam, res)
-            if cfg.auto_rows and family.tree is TreeKind.DYNAMIC:
-                # the decoder's defaults: K from speculation.json (else 4), adaptive K and the
-                # fallback to plain decoding when speculation is measured to be a loss
-                note(f"T={t}: ours {fam} (decode.py defaults: adaptive K + fallback)")
-                res = _ours(cfg, loaded, path, t, None, "chain", adaptive=True)
-                ours[f"{fam} adaptive+fallback"] = (fam, res)
-        note(f"T={t}: plain decoding (ours) again: the drift of the machine during this block")
+        hf, peers = _peers(cfg, loaded, records, t, plan)
+        ours = _ours_at(cfg, loaded, t, plan)
+        note(TOOL, f"T={t}: plain decoding (ours) again: the drift of the machine during this "
+                   "block")
         rows.append(row("plain (ours)", plain, t, plain, hf))
         rows.append(row("plain (ours), again last", _ours(cfg, loaded, "none", t, 0, "auto"), t,
                         plain, hf))
         if hf is not None:
             rows.append(row("hf_generate", hf, t, plain, hf))
         for name, res in peers.items():
-            res["summary"]["k_source"] = k_src
+            res["summary"]["k_source"] = plan.k_src
             rows.append(row(name, res, t, plain, hf))
         for name, (fam, res) in ours.items():
             r = row(f"ours {name}", res, t, plain, hf)
-            if fam == assist and "adaptive" not in name:  # the assistant's draft at the same K
+            if fam == plan.assist and "adaptive" not in name:  # the assistant's draft, same K
                 for key, suffix in (("speedup_vs_hf_assisted", ""),
                                     ("speedup_vs_hf_assisted_gqa", " native-gqa")):
                     same_k = peers.get(f"hf_assisted K={r['k']}{suffix}")
                     if same_k is not None:
-                        r[key] = paired_ratio(res["samples"], same_k["samples"])
+                        r[key] = speedup_over(res["samples"], same_k["samples"])
             rows.append(r)
     return rows
-
-
-# ----------------------------------------------------------------------------- fallback bound
-def bench_fallback(cfg: DictConfig, loaded: Any, records: list[dict]) -> list[dict]:
-    """decode.py's defaults (K from speculation.json, adaptive K, fallback) against plain decoding.
-
-    Per prompt, plain decoding, the draft at a fixed K and the defaults run back to back,
-    ``repeats`` rounds, so that the machine's drift over minutes cancels in the per-prompt ratio
-    (median over rounds of each, then the ratio; median and minimum over prompts are reported).
-    ``useless-lm`` is the lm package with its LM-head rows shifted by one token id: a draft at the
-    real cost whose proposals are wrong, the case the fallback must bound.
-    """
-    fb = cfg.fallback_bound
-    given = draft_paths(cfg)
-    model = loaded.model
-    eos = session.eos_ids(model)
-    plain = session.plain_decoder(model, records)
-    chain = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
-                            {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
-    assistants = [f"{USELESS}{f.name}" for f in FAMILIES.values() if f.hf_model]
-    out = []
-    with tempfile.TemporaryDirectory(prefix="bench-useless-") as tmp:
-        for name in fb.drafts:
-            useless = str(name) in assistants
-            fam = str(name).removeprefix(USELESS) if useless else str(name)
-            if fam not in FAMILIES:
-                raise ValueError(f"fallback_bound.drafts: unknown {name!r}; allowed "
-                                 f"{', '.join([*assistants, *FAMILIES])}")
-            if fam not in given:
-                note(f"fallback bound: no {fam} package, skipping {name}")
-                continue
-            path = useless_copy(fam, given[fam], loaded, Path(tmp)) if useless else given[fam]
-            pkg = load_draft(path, loaded)
-            proposer = build_proposer(pkg, settle(chain, pkg, measured=False), loaded,
-                                      int(model.config.vocab_size), cfg.device, cfg.dtype)
-            k_fixed, _ = package_k(path, cfg.k, cfg.dtype, cfg.device)
-            k_auto, auto_src = resolve_k(None, pkg.speculation, cfg.dtype, cfg.device)
-            decs = {"plain": plain,
-                    "fixed": session.decoder(model, proposer, records, k=k_fixed, adaptive=False,
-                                             fallback=False),
-                    "defaults": session.decoder(model, proposer, records, k=k_auto)}
-            for t in [float(x) for x in cfg.temperatures]:
-                note(f"T={t}: fallback bound, {name} (plain / K={k_fixed} / defaults, interleaved)")
-                tps: dict[str, list[list[float]]] = {m: [[] for _ in records] for m in decs}
-                stats = []
-                for i, rec in enumerate(records):
-                    for _ in range(int(fb.repeats)):
-                        for m, dec in decs.items():
-                            res = dec.generate(rec["prompt_ids"], int(cfg.max_new_tokens), t,
-                                               eos_token_id=eos, seed=int(cfg.seed) + i)
-                            tps[m][i].append(res.stats.tokens_per_s)
-                            if m == "defaults":
-                                stats.append(res.stats)
-                med = {m: [statistics.median(v) for v in per] for m, per in tps.items()}
-                ratio = {m: [a / b for a, b in zip(med[m], med["plain"])]
-                         for m in ("fixed", "defaults")}
-                merged = DecodeStats.merge(stats)
-                out.append({"draft": name, "temperature": t, "k_fixed": k_fixed,
-                            "k_defaults": k_auto, "k_defaults_source": auto_src,
-                            "repeats": int(fb.repeats), "n_prompts": len(records),
-                            "plain_tokens_per_s": statistics.median(med["plain"]),
-                            "fixed_vs_plain": statistics.median(ratio["fixed"]),
-                            "fixed_vs_plain_min": min(ratio["fixed"]),
-                            "defaults_vs_plain": statistics.median(ratio["defaults"]),
-                            "defaults_vs_plain_min": min(ratio["defaults"]),
-                            "defaults_tau": merged.tau,
-                            "defaults_spec_step_share": merged.spec_steps / max(
-                                merged.spec_steps + merged.plain_steps, 1),
-                            "per_prompt_defaults_vs_plain": ratio["defaults"]})
-    return out
 
 
 # ----------------------------------------------------------------------------- verify cost
@@ -347,7 +246,7 @@ def bench_forward_costs(cfg: DictConfig, loaded: Any, records: list[dict]) -> li
 
     out = []
     for name in cfg.forward_costs.dtypes:
-        note(f"target forward cost per width ({name})")
+        note(TOOL, f"target forward cost per width ({name})")
         # the benchmark's own dtype times the loaded model itself; others time a converted copy
         model = (loaded.model if name == cfg.dtype
                  else copy.deepcopy(loaded.model).to(dtype=getattr(torch, name)).eval())
@@ -366,8 +265,19 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def write_markdown(res: dict, path: Path) -> None:
-    """The results as Markdown tables."""
+def _k_cell(r: dict) -> str:
+    k = ("-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"]
+         else str(r["k"]))
+    if r.get("tree_size"):
+        k += f", {r['tree_size']} nodes"
+    if r.get("draft_vocab"):
+        k += f", {r['draft_vocab']} draft ids"
+    return k
+
+
+def results_markdown(res: dict) -> list[str]:
+    """``results.md``'s lines: the decoding table, ours against assisted generation, the
+    fallback bound and the target's forward costs."""
     env = res["environment"]
     cfg = res["config"]
     lines = ["# draftsmith benchmark", "",
@@ -376,70 +286,47 @@ def write_markdown(res: dict, path: Path) -> None:
              f"- versions: {env['versions']}",
              f"- dtype: {cfg['dtype']}, device: {cfg['device']}",
              (f"- prompts: {res['prompts']} ({res['n_prompts']} questions, first turn, "
-             f"{cfg['max_new_tokens']} new tokens)"),
+              f"{cfg['max_new_tokens']} new tokens)"),
              f"- command: `{res['command']}`",
              "",
              ("Tokens/s: median over prompts. Ratios: per prompt against plain decoding (ours) "
-             "and transformers generate on the same prompt in this run, median over prompts. "
+              "and transformers generate on the same prompt in this run, median over prompts. "
               "Same as plain (T=0): share of prompts with output identical to plain decoding."),
-             "",
-             ("| T | method | K | tokens/s | vs plain | vs generate | tau | accept | "
-              "same as plain |"),
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["decoding"]:
-        k = ("-" if r["k"] is None else f"{r['k']} ({r['k_source']})" if r["k_source"]
-             else str(r["k"]))
-        if r.get("tree_size"):
-            k += f", {r['tree_size']} nodes"
-        if r.get("draft_vocab"):
-            k += f", {r['draft_vocab']} draft ids"
-        lines.append(f"| {r['temperature']:g} | {r['method']} | {k} | "
-                     f"{_fmt(r['median_tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_plain'])}x | "
-                     f"{_fmt(r['speedup_vs_hf_generate'])}x | {_fmt(r['tau'])} | "
-                     f"{_fmt(r['acceptance_rate'])} | {_fmt(r['same_as_plain'])} |")
+             ""]
+    lines += table(["T", "method", "K", "tokens/s", "vs plain", "vs generate", "tau", "accept",
+                    "same as plain"],
+                   [[f"{r['temperature']:g}", r["method"], _k_cell(r),
+                     _fmt(r["median_tokens_per_s"], ".1f"), f"{_fmt(r['speedup_vs_plain'])}x",
+                     f"{_fmt(r['speedup_vs_hf_generate'])}x", _fmt(r["tau"]),
+                     _fmt(r["acceptance_rate"]), _fmt(r["same_as_plain"])]
+                    for r in res["decoding"]])
     vs_assisted = [r for r in res["decoding"] if r.get("speedup_vs_hf_assisted") is not None]
     if vs_assisted:
         lines += ["", "## Ours against transformers assisted generation, same draft LM and K", "",
                   ("Per prompt: our tokens/s over `generate(assistant_model=<the draft LM>)` at "
                    "the same K (chain length, or tree depth for the dynamic tree); median over "
                    "prompts. Stock transformers, and transformers with the native-GQA attention "
-                   "our forwards use (`TRANSFORMERS_SDPA_FORCE_GQA=1`)."), "",
-                  "| T | ours | K | vs assisted | vs assisted, native GQA |",
-                  "|---|---|---|---|---|"]
-        for r in vs_assisted:
-            lines.append(f"| {r['temperature']:g} | {r['method']} | {r['k']} | "
-                         f"{r['speedup_vs_hf_assisted']:.2f}x | "
-                         f"{_fmt(r.get('speedup_vs_hf_assisted_gqa'))}x |")
+                   "our forwards use (`TRANSFORMERS_SDPA_FORCE_GQA=1`)."), ""]
+        lines += table(["T", "ours", "K", "vs assisted", "vs assisted, native GQA"],
+                       [[f"{r['temperature']:g}", r["method"], r["k"],
+                         f"{r['speedup_vs_hf_assisted']:.2f}x",
+                         f"{_fmt(r.get('speedup_vs_hf_assisted_gqa'))}x"] for r in vs_assisted])
     if res.get("fallback_bound"):
-        fb = res["fallback_bound"]
-        lines += ["", "## Fallback bound", "",
-                  (f"Per prompt, plain decoding, the draft at a fixed K and decode.py's defaults "
-                   f"(adaptive K + fallback to plain) ran back to back, {fb[0]['repeats']} rounds; "
-                   "ratio of per-prompt medians to plain, median and minimum over prompts. "
-                   "useless-lm: the lm package with its LM-head rows shifted by one token id."),
-                  "", ("| T | draft | fixed K | fixed K vs plain (min) | defaults K | "
-                       "defaults vs plain (min) | defaults tau | speculative steps |"),
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in fb:
-            lines.append(f"| {r['temperature']:g} | {r['draft']} | {r['k_fixed']} | "
-                         f"{r['fixed_vs_plain']:.2f}x ({r['fixed_vs_plain_min']:.2f}x) | "
-                         f"{r['k_defaults']} ({r['k_defaults_source']}) | "
-                         f"{r['defaults_vs_plain']:.2f}x ({r['defaults_vs_plain_min']:.2f}x) | "
-                         f"{r['defaults_tau']:.2f} | {r['defaults_spec_step_share']:.0%} |")
+        lines += fallback_markdown(res["fallback_bound"])
     if res["forward_costs"]:
-        widths = list(res["forward_costs"][0]["ms"])
-        lines += ["", "## Target forward cost per number of new tokens", "",
-                  (f"Median of {res['forward_costs'][0]['repeats']} cached forwards after the "
-                   f"first question's {res['forward_costs'][0]['context_tokens']}-token prompt, "
-                   "in ms (ratio to 1 token). 1 token is a plain step; K + 1 tokens verify K "
-                   "drafts."),
-                  "", "| dtype | " + " | ".join(str(w) for w in widths) + " |",
-                  "|---|" + "---|" * len(widths)]
-        for f in res["forward_costs"]:
-            one = f["ms"][widths[0]]
-            lines.append(f"| {f['dtype']} | " + " | ".join(
-                f"{f['ms'][w]:.1f} ({f['ms'][w] / one:.2f})" for w in widths) + " |")
-    path.write_text("\n".join(lines) + "\n")
+        lines += _forward_costs_markdown(res["forward_costs"])
+    return lines
+
+
+def _forward_costs_markdown(costs: list[dict]) -> list[str]:
+    widths = list(costs[0]["ms"])
+    return ["", "## Target forward cost per number of new tokens", "",
+            (f"Median of {costs[0]['repeats']} cached forwards after the first question's "
+             f"{costs[0]['context_tokens']}-token prompt, in ms (ratio to 1 token). 1 token is a "
+             "plain step; K + 1 tokens verify K drafts."), ""] + table(
+        ["dtype", *map(str, widths)],
+        [[f["dtype"], *(f"{f['ms'][w]:.1f} ({f['ms'][w] / f['ms'][widths[0]]:.2f})"
+                        for w in widths)] for f in costs])
 
 
 def _validate(cfg: DictConfig) -> Path:
@@ -481,9 +368,9 @@ def run(cfg: DictConfig) -> dict:
     out = repo_path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    write_markdown(res, out / "results.md")
-    note(f"wrote {out / 'results.json'} and {out / 'results.md'} "
-         f"({res['bench_wall_s']:.0f} s)")
+    write_markdown(out / "results.md", results_markdown(res))
+    note(TOOL, f"wrote {out / 'results.json'} and {out / 'results.md'} "
+               f"({res['bench_wall_s']:.0f} s)")
     return res
 
 

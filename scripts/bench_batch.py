@@ -18,10 +18,10 @@ nodes of its tree record; ``tree_shapes=[[depth, nodes], ...]`` for others), eac
 tree, to the table; the batch record keeps the best tree per batch size and whether it beat
 the best chain and plain decoding there (``eval/decode.py batch_size=B`` drafts it then).
 
-Heterogeneous rows: one batch of a well-drafted prompt and a row whose drafts are always wrong
-(every draft token shifted by one id: a useless draft for that row alone, at the same cost),
-against each good row decoded alone at the same K. Writes ``results.json``, ``results.md`` and
-``throughput.png`` under ``out_dir``.
+Heterogeneous rows (``scripts/bench_mixed.py``): one batch of a well-drafted prompt and a row
+whose drafts are always wrong (every draft token shifted by one id: a useless draft for that row
+alone, at the same cost), against each good row decoded alone at the same K. Writes
+``results.json``, ``results.md`` and ``throughput.png`` under ``out_dir``.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,46 +44,15 @@ from draftsmith.eval.checks import check_out_dir, check_sampling, integer
 from draftsmith.eval.decoding.batch import BatchDecoder
 from draftsmith.eval.decoding.proposers import PlainProposer
 from draftsmith.eval.draft import build_proposer, load_draft, settle
-from draftsmith.eval.kstar import environment
+from draftsmith.eval.machine import environment
+from draftsmith.eval.markdown import table, write_markdown
+from draftsmith.eval.speedup import paired_speedup
 from draftsmith.heads.family import FAMILIES
+from draftsmith.scripts.bench_mixed import bench_mixed, mixed_markdown
+from draftsmith.scripts.tooling import note, repo_path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def note(msg: str) -> None:
-    print(f"[bench-batch] {msg}", flush=True)
-
-
-def repo_path(p: str | Path) -> Path:
-    path = Path(str(p)).expanduser()
-    return path if path.is_absolute() else REPO / path
-
-
-class Hostile:
-    """Wraps a batched drafter: rows ``rows`` (of the batch as started) get every draft token
-    shifted by one id, wherever they are in the batch as rows leave it."""
-
-    def __init__(self, drafter: Any, rows: list[int], vocab: int) -> None:
-        self.inner, self.rows, self.vocab = drafter, set(rows), vocab
-        self.live: list[int] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def start(self, tokens: list[list[int]], *args: Any) -> None:
-        self.live = list(range(len(tokens)))
-        self.inner.start(tokens, *args)
-
-    def select(self, idx: torch.Tensor) -> None:
-        self.live = [self.live[i] for i in idx.tolist()]
-        self.inner.select(idx)
-
-    def propose(self, k: int, sampling: Any, generator: Any) -> tuple[torch.Tensor, Any]:
-        drafts, q = self.inner.propose(k, sampling, generator)
-        at = [i for i, r in enumerate(self.live) if r in self.rows]
-        drafts = drafts.clone()
-        drafts[at] = (drafts[at] + 1) % self.vocab
-        return drafts, q
+CONF_FILE = decode.CONF_DIR / "bench_batch.yaml"
+TOOL = "bench-batch"  # the tag of its progress lines
 
 
 def hf_batched(model: Any, tok: Any, prompts: list[list[int]], max_new: int,
@@ -110,9 +80,10 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def run(cfg: DictConfig) -> dict:
-    from draftsmith.data.target import load_target
-
+def _validate(cfg: DictConfig) -> tuple[Path, list[int], list[int], list, int, dict[str, str]]:
+    """Every setting and ``out_dir`` (not an input), before the target loads: the questions,
+    batch sizes, Ks, tree shapes, good rows of the heterogeneous test and the draft packages
+    given."""
     questions = repo_path(cfg.questions)
     check_prompt_set(questions)
     sizes = [integer("batch_sizes", b, "integers >= 1") for b in cfg.batch_sizes]
@@ -135,19 +106,22 @@ def run(cfg: DictConfig) -> dict:
     drafts = {f: str(repo_path(cfg[f])) for f in FAMILIES if cfg.get(f)}  # lm=, eagle=
     check_out_dir("out_dir", repo_path(cfg.out_dir), {"questions": questions, **{
         f: Path(p) for f, p in drafts.items()}}, ("results.json", "results.md"))
-    t_start = time.perf_counter()
-    cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))
-    loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
-    model, tok = loaded.model.to(cfg.device).eval(), loaded.tokenizer
-    # the mixed test decodes good_rows questions and one more (the hostile row's prompt)
-    need = max(*sizes, good_rows + 1 if cfg.mixed.enabled else 1)
-    records = session.prompt_records(str(questions), tok, need)
-    if len(records) < need:
-        raise ValueError(f"{questions} has {len(records)} questions but batch_sizes={sizes} and "
-                         f"mixed.good_rows={good_rows} need {need}: lower them or pass a longer "
-                         "questions= file")
-    eos = session.eos_ids(model)
-    max_new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
+    return questions, sizes, ks, shapes, good_rows, drafts
+
+
+@dataclass
+class _Decoders:
+    """The batched decoders of a run: plain, every draft at every K, the measured trees."""
+
+    proposers: dict[str, Any]  # family -> its chain proposer
+    plain: BatchDecoder
+    decs: dict[str, BatchDecoder]  # method label -> decoder
+    trees: dict[str, dict[str, tuple[int, int]]]  # family -> label -> (depth, nodes)
+
+
+def _decoders(cfg: DictConfig, loaded: Any, drafts: dict[str, str], ks: list[int],
+              shapes: list[tuple[int, int] | None]) -> _Decoders:
+    model = loaded.model
     chain = OmegaConf.merge(OmegaConf.load(decode.CONF_FILE),
                             {"tree": "chain", "dtype": cfg.dtype, "device": cfg.device})
     proposers, pkgs = {}, {}
@@ -158,7 +132,7 @@ def run(cfg: DictConfig) -> dict:
     plain = BatchDecoder(model, PlainProposer(), k=0)
     decs = {f"{fam} K={k}": BatchDecoder(model, p, k=k, fallback=False)
             for fam, p in proposers.items() for k in ks}
-    trees: dict[str, dict[str, tuple[int, int]]] = {}  # family -> label -> (depth, nodes)
+    trees: dict[str, dict[str, tuple[int, int]]] = {}
     for fam in [f for f in drafts if cfg.get("tree") and FAMILIES[f].batched_tree]:
         pkg = pkgs[fam]
         for shape in shapes:  # the package's measured shape, or the shapes given
@@ -170,11 +144,22 @@ def run(cfg: DictConfig) -> dict:
             label = f"{fam} tree ({plan.k} deep, {plan.tree_size} nodes)"
             decs[label] = BatchDecoder(model, tree, k=plan.k, fallback=False)
             trees.setdefault(fam, {})[label] = (plan.k, plan.tree_size)
+    return _Decoders(proposers, plain, decs, trees)
 
-    def ours(dec: BatchDecoder, prompts: list[list[int]], seed: int) -> tuple[int, float]:
+
+def _throughput(cfg: DictConfig, loaded: Any, records: list[dict], sizes: list[int],
+                decoders: _Decoders, eos: Any) -> list[dict]:
+    """Per batch size, every method's tokens/s and its speedup over plain batched decoding
+    (the paired speedup over rounds: each round's tokens/s over the mean of its two plain
+    runs, median over rounds)."""
+    model, tok = loaded.model, loaded.tokenizer
+    max_new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
+    plain, decs = decoders.plain, decoders.decs
+
+    def ours(dec: BatchDecoder, prompts: list[list[int]], seed: int) -> float:
         res, wall = timed(lambda: dec.generate(prompts, max_new, temp, eos_token_id=eos,
                                                seed=seed))
-        return sum(len(r.output_ids) for r in res), wall
+        return sum(len(r.output_ids) for r in res) / wall
 
     for d in (plain, *decs.values()):  # warm-up
         d.generate([records[0]["prompt_ids"]], 2, seed=0)
@@ -182,30 +167,34 @@ def run(cfg: DictConfig) -> dict:
     for b in sizes:
         prompts = [r["prompt_ids"] for r in records[:b]]
         tps: dict[str, list[float]] = {}
-        ratio: dict[str, list[float]] = {}
+        bases = []
         for rnd in range(int(cfg.repeats)):
-            note(f"batch {b}, round {rnd + 1}")
-            n, w = ours(plain, prompts, rnd)
-            base = [n / w]
+            note(TOOL, f"batch {b}, round {rnd + 1}")
+            base = [ours(plain, prompts, rnd)]
             got = {}
             if cfg.hf_generate and temp == 0:
                 n_hf, w_hf = timed(lambda p=prompts: hf_batched(model, tok, p, max_new, eos))
                 got["transformers generate"] = n_hf / w_hf
             for label, dec in decs.items():
-                n, w = ours(dec, prompts, rnd)
-                got[label] = n / w
-            n, w = ours(plain, prompts, rnd)
-            base.append(n / w)
-            mean = statistics.fmean(base)
+                got[label] = ours(dec, prompts, rnd)
+            base.append(ours(plain, prompts, rnd))
+            bases.append(base)
             tps.setdefault("plain", []).extend(base)
             for m, v in got.items():
                 tps.setdefault(m, []).append(v)
-                ratio.setdefault(m, []).append(v / mean)
         rows.append({"batch_size": b,
                      "tokens_per_s": {m: statistics.median(v) for m, v in tps.items()},
-                     "speedup": {m: statistics.median(v) for m, v in ratio.items()}})
-    batch_records = {}
-    for fam in proposers:
+                     "speedup": {m: paired_speedup(v, bases).median
+                                 for m, v in tps.items() if m != "plain"}})
+    return rows
+
+
+def _batch_records(cfg: DictConfig, rows: list[dict], decoders: _Decoders,
+                   ks: list[int]) -> dict[str, dict]:
+    """Per family, what ``speculation.json["batch"]`` records: K* and speedup per batch size,
+    the crossover, and the best tree per batch size."""
+    records = {}
+    for fam in decoders.proposers:
         k_star, speedup = {}, {}
         for r in rows:
             best = best_k(r, fam, ks)
@@ -213,17 +202,41 @@ def run(cfg: DictConfig) -> dict:
             k_star[str(r["batch_size"])] = best if sp > 1.0 else 0
             speedup[str(r["batch_size"])] = sp
         cross = next((int(b) for b, k in k_star.items() if k == 0), None)
-        batch_records[fam] = {"k_star": k_star, "speedup": speedup, "crossover": cross,
-                              "dtype": cfg.dtype, "device": str(cfg.device),
-                              "max_new_tokens": max_new, "temperature": temp,
-                              "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
-        if fam in trees:  # the best tree per batch size, and whether it won there
-            batch_records[fam]["tree"] = best_trees(rows, fam, trees[fam], ks)
+        records[fam] = {"k_star": k_star, "speedup": speedup, "crossover": cross,
+                        "dtype": cfg.dtype, "device": str(cfg.device),
+                        "max_new_tokens": int(cfg.max_new_tokens),
+                        "temperature": float(cfg.temperature),
+                        "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
+        if fam in decoders.trees:  # the best tree per batch size, and whether it won there
+            records[fam]["tree"] = best_trees(rows, fam, decoders.trees[fam], ks)
+    return records
+
+
+def run(cfg: DictConfig) -> dict:
+    from draftsmith.data.target import load_target
+
+    questions, sizes, ks, shapes, good_rows, drafts = _validate(cfg)
+    t_start = time.perf_counter()
+    cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))
+    loaded = load_target(cfg.target_path, dtype=getattr(torch, cfg.dtype))
+    model = loaded.model.to(cfg.device).eval()
+    # the mixed test decodes good_rows questions and one more (the hostile row's prompt)
+    need = max(*sizes, good_rows + 1 if cfg.mixed.enabled else 1)
+    records = session.prompt_records(str(questions), loaded.tokenizer, need)
+    if len(records) < need:
+        raise ValueError(f"{questions} has {len(records)} questions but batch_sizes={sizes} and "
+                         f"mixed.good_rows={good_rows} need {need}: lower them or pass a longer "
+                         "questions= file")
+    eos = session.eos_ids(model)
+    decoders = _decoders(cfg, loaded, drafts, ks, shapes)
+    rows = _throughput(cfg, loaded, records, sizes, decoders, eos)
+    batch_records = _batch_records(cfg, rows, decoders, ks)
+    proposers = decoders.proposers
     # the hostile row shifts its drafts but not their q: lossless only for greedy rows
     mixed_ks = ({fam: mixed_k(cfg, rows, ks, fam) for fam in proposers}
                 if cfg.mixed.enabled else {})
     mixed = (bench_mixed(cfg, model, proposers, records, eos, mixed_ks)
-             if cfg.mixed.enabled and temp == 0 else [])
+             if cfg.mixed.enabled and float(cfg.temperature) == 0 else [])
     res = {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows,
            "batch": batch_records, "mixed": mixed, "target": loaded.identity.to_dict(),
            "environment": environment(cfg.device), "bench_wall_s": time.perf_counter() - t_start,
@@ -231,7 +244,7 @@ def run(cfg: DictConfig) -> dict:
     out = repo_path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    write_markdown(res, out / "results.md")
+    write_markdown(out / "results.md", results_markdown(res))
     plot(res, out / "throughput.png")
     if cfg.write:
         from draftsmith.heads.package import update_package_json
@@ -241,7 +254,7 @@ def run(cfg: DictConfig) -> dict:
                 Path(path) / "speculation.json").is_file() else {}
             spec["batch"] = batch_records[fam]
             update_package_json(path, "speculation.json", spec)
-            note(f"wrote the batch record into {path}/speculation.json")
+            note(TOOL, f"wrote the batch record into {path}/speculation.json")
     return res
 
 
@@ -292,55 +305,9 @@ def best_k(row: dict, fam: str, ks: list[int]) -> int:
     return max(ks, key=lambda k: row["speedup"][f"{fam} K={k}"])
 
 
-def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict],
-                eos: Any, mixed_ks: dict[str, tuple[int, int]]) -> list[dict]:
-    """Good rows batched with one hostile row, against the same batch whose last row is not
-    hostile (what the hostile row costs the others), and against each good row alone (what
-    batching costs a row on this machine); per target cache layout, all in the same rounds.
-    ``mixed_ks[family]``: the K alone and batched (:func:`mixed_k`)."""
-    good = [r["prompt_ids"] for r in records[: int(cfg.mixed.good_rows)]]
-    last = records[int(cfg.mixed.good_rows)]["prompt_ids"]
-    new, temp = int(cfg.max_new_tokens), float(cfg.temperature)
-    layouts = list(cfg.mixed.get("layouts", ["padded"]))
-    out = []
-    for fam, proposer in proposers.items():
-        k_alone, k = mixed_ks[fam]
-        decs = {"alone": BatchDecoder(model, proposer, k=k_alone, fallback=True)}
-        for lay in layouts:
-            decs[f"clean {lay}"] = BatchDecoder(model, proposer, k=k, fallback=True, layout=lay)
-            decs[f"mixed {lay}"] = BatchDecoder(model, proposer, k=k, fallback=True, layout=lay)
-            decs[f"mixed {lay}"].drafter = Hostile(decs[f"mixed {lay}"].drafter, [len(good)],
-                                                   int(model.config.vocab_size))
-        runs: dict[str, list[list[float]]] = {name: [] for name in decs}
-        hostile_spec: dict[str, list[float]] = {lay: [] for lay in layouts}
-        for rnd in range(int(cfg.repeats)):
-            note(f"heterogeneous rows, {fam}, round {rnd + 1}")
-            runs["alone"].append([decs["alone"].generate([p], new, temp, eos_token_id=eos,
-                                                         seed=rnd)[0].stats.tokens_per_s
-                                  for p in good])
-            for name, dec in decs.items():
-                if name == "alone":
-                    continue
-                res = dec.generate([*good, last], new, temp, eos_token_id=eos, seed=rnd)
-                runs[name].append([r.stats.tokens_per_s for r in res[:len(good)]])
-                if name.startswith("mixed"):
-                    st = res[-1].stats
-                    hostile_spec[name.split()[1]].append(
-                        st.spec_steps / max(st.spec_steps + st.plain_steps, 1))
-        med = {n: [statistics.median(r[i] for r in v) for i in range(len(good))]
-               for n, v in runs.items()}
-        for lay in layouts:
-            vs_clean = [m / c for m, c in zip(med[f"mixed {lay}"], med[f"clean {lay}"])]
-            vs_alone = [m / a for m, a in zip(med[f"mixed {lay}"], med["alone"])]
-            out.append({"draft": fam, "k": k, "k_alone": k_alone, "layout": lay,
-                        "good_rows": len(good),
-                        "good_rows_vs_clean_batch": vs_clean, "worst_vs_clean": min(vs_clean),
-                        "good_rows_vs_alone": vs_alone, "worst": min(vs_alone),
-                        "hostile_speculative_step_share": statistics.median(hostile_spec[lay])})
-    return out
-
-
-def write_markdown(res: dict, path: Path) -> None:
+def results_markdown(res: dict) -> list[str]:
+    """``results.md``'s lines: the throughput table, the batch records and the heterogeneous
+    rows."""
     env = res["environment"]
     methods = list(res["rows"][0]["tokens_per_s"])
     cfg = res["config"]
@@ -348,12 +315,11 @@ def write_markdown(res: dict, path: Path) -> None:
             f"{cfg['max_new_tokens']} new tokens per row, T = {cfg['temperature']}, "
             f"{cfg['repeats']} rounds; {res['bench_wall_s']:.0f} s.")
     lines = ["# Throughput against batch size", "", head, "",
-             "Tokens/s (all rows) and, in brackets, speedup over plain batched decoding:", "",
-             "| B | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
-    for r in res["rows"]:
-        cells = [f"{r['tokens_per_s'][m]:.1f}" + (f" ({r['speedup'][m]:.2f}x)"
-                                                 if m in r["speedup"] else "") for m in methods]
-        lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+             "Tokens/s (all rows) and, in brackets, speedup over plain batched decoding:", ""]
+    lines += table(["B", *methods],
+                   [[r["batch_size"], *(f"{r['tokens_per_s'][m]:.1f}"
+                                        + (f" ({r['speedup'][m]:.2f}x)" if m in r["speedup"]
+                                           else "") for m in methods)] for r in res["rows"]])
     for fam, rec in res["batch"].items():
         cross = rec["crossover"] if rec["crossover"] is not None else "beyond the sizes run"
         lines += ["", f"{fam}: K* per batch size {rec['k_star']}, crossover {cross}"]
@@ -361,18 +327,7 @@ def write_markdown(res: dict, path: Path) -> None:
             lines.append(f"- B = {b}: best tree {t['depth']} deep / {t['nodes']} nodes, "
                          f"{t['speedup']:.2f}x, " + ("beats" if t["wins"] else "does not beat")
                          + " the best chain and plain decoding")
-    for m in res["mixed"]:
-        clean = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_clean_batch"])
-        alone = ", ".join(f"{x:.2f}" for x in m["good_rows_vs_alone"])
-        lines += ["", (f"Heterogeneous rows ({m['draft']}, K = {m['k']}, alone at K = "
-                       f"{m.get('k_alone', m['k'])}, "
-                       f"{m.get('layout', 'padded')} cache): {m['good_rows']} good "
-                       "rows batched with one row whose drafts are always wrong; each good "
-                       "row's tokens/s over the same row in the same batch without the hostile "
-                       f"row: {clean} (worst {m['worst_vs_clean']:.2f}); over the row decoded "
-                       f"alone: {alone} (worst {m['worst']:.2f}); the hostile row speculated on "
-                       f"{m['hostile_speculative_step_share']:.0%} of its steps")]
-    path.write_text("\n".join(lines) + "\n")
+    return lines + mixed_markdown(res["mixed"])
 
 
 def plot(res: dict, path: Path) -> None:

@@ -40,14 +40,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data.dtype import matmul_rates
 from draftsmith.eval import CONF_DIR
-from draftsmith.eval.kstar import environment
+from draftsmith.eval.machine import environment
+from draftsmith.eval.markdown import table, write_markdown
+from draftsmith.scripts.tooling import REPO, note, repo_path
 
-REPO = Path(__file__).resolve().parents[1]
 CONF_FILE = REPO / "conf" / "eval" / "bench_train.yaml"
-
-
-def note(msg: str) -> None:
-    print(f"[bench-train] {msg}", flush=True)
+TOOL = "bench-train"  # the tag of its progress lines
 
 
 def run_with_peak_rss(cmd: list[str], log: Path, timeout_s: float,
@@ -111,7 +109,7 @@ def bench_training(cfg: DictConfig, gemm: dict[str, float]) -> list[dict]:
                    *cfg.data_overrides, *v.overrides]
             if cfg.target_path:
                 cmd.append(f"target.path={cfg.target_path}")
-            note(f"training: {v.name} ({cfg.steps} steps)")
+            note(TOOL, f"training: {v.name} ({cfg.steps} steps)")
             log = Path(tmp) / "bench.log"
             env = {k: str(x) for k, x in (v.get("env") or {}).items()}
             rc, wall, rss = run_with_peak_rss(cmd, log, float(cfg.timeout_s), env,
@@ -130,7 +128,7 @@ def bench_training(cfg: DictConfig, gemm: dict[str, float]) -> list[dict]:
                 row["mfu_fp32"] = row["flop_per_s"] / (gemm["float32"] * 1e9)
             if rc != 0 or "tokens_per_s" not in row:
                 row["error_tail"] = log.read_text()[-1500:]
-                note(f"training {v.name} failed (exit {rc}); see results.json error_tail")
+                note(TOOL, f"training {v.name} failed (exit {rc}); see results.json error_tail")
             rows.append(row)
     base = next((r for r in rows if r["name"] == cfg.baseline), None)
     for r in rows:
@@ -164,7 +162,7 @@ def bench_caching(cfg: DictConfig) -> list[dict]:
     for s in c.settings:
         target = ref if s.dtype == "float32" else load_target(path, dtype=getattr(torch, s.dtype))
         with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
-            note(f"caching: {ntok} tokens, target {s.dtype}, batch {s.batch_size}")
+            note(TOOL, f"caching: {ntok} tokens, target {s.dtype}, batch {s.batch_size}")
             t0 = time.perf_counter()
             final_from = s.get("final_from")  # the final hidden state recomputed from a layer
             man = build_feature_cache(target, rows, tmp, batch_size=int(s.batch_size),
@@ -188,46 +186,43 @@ def bench_caching(cfg: DictConfig) -> list[dict]:
     return out
 
 
-def write_markdown(res: dict, path: Path) -> None:
+def _f(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def results_markdown(res: dict) -> list[str]:
+    """``results.md``'s lines: the training variants and the feature caching settings."""
     env, gemm = res["environment"], res["gemm_gflops"]
     lines = ["# draftsmith training benchmark", "",
              f"- date: {env['date']}", f"- hardware: {env['hardware']}",
              f"- versions: {env['versions']}", f"- command: `{res['command']}`",
              (f"- GEMM rate here ({res['gemm_shape']}): bf16 {gemm['bfloat16']:.0f} GFLOP/s, "
-             f"fp32 {gemm['float32']:.0f} GFLOP/s"), "",
+              f"fp32 {gemm['float32']:.0f} GFLOP/s"), "",
              (f"Training: {res['config']['steps']} steps of {res['config']['micro_batch_size']} "
-             f"sequences, tokens/s over the steps after the first {res['config']['warmup_steps']}"
-             " (trained position-1 tokens); MFU = FLOPs per token (first step, counted) x "
-             "tokens/s over the GEMM rate."), "",
-             ("| variant | what | malloc | tokens/s | vs baseline | step (s) | tokens/step "
-             "| GFLOP/token | MFU bf16 | MFU fp32 | peak RSS (MiB) | exit |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
-
-    for r in res["training"]:
-        lines.append(
-            f"| {r['name']} | {r['what']} | {r.get('malloc') or '-'} | "
-            f"{f(r.get('tokens_per_s'), '.0f')} | "
-            f"{f(r.get('vs_baseline'), '.2f')}x | {f(r.get('median_step_s'), '.2f')} | "
-            f"{f(r.get('tokens_per_step'), '.0f')} | "
-            f"{f(r.get('flops_per_token', 0) / 1e9 or None, '.2f')} | "
-            f"{f(r.get('mfu_bf16'), '.2f')} | {f(r.get('mfu_fp32'), '.2f')} | "
-            f"{r['peak_rss_mib']:.0f} | {r['exit_code']} |")
+              f"sequences, tokens/s over the steps after the first {res['config']['warmup_steps']}"
+              " (trained position-1 tokens); MFU = FLOPs per token (first step, counted) x "
+              "tokens/s over the GEMM rate."), ""]
+    lines += table(["variant", "what", "malloc", "tokens/s", "vs baseline", "step (s)",
+                    "tokens/step", "GFLOP/token", "MFU bf16", "MFU fp32", "peak RSS (MiB)",
+                    "exit"],
+                   [[r["name"], r["what"], r.get("malloc") or "-",
+                     _f(r.get("tokens_per_s"), ".0f"), f"{_f(r.get('vs_baseline'), '.2f')}x",
+                     _f(r.get("median_step_s"), ".2f"), _f(r.get("tokens_per_step"), ".0f"),
+                     _f(r.get("flops_per_token", 0) / 1e9 or None, ".2f"),
+                     _f(r.get("mfu_bf16"), ".2f"), _f(r.get("mfu_fp32"), ".2f"),
+                     f"{r['peak_rss_mib']:.0f}", r["exit_code"]] for r in res["training"]])
     if res["caching"]:
         lines += ["", ("Feature caching (same conversations, temporary cache; max TV = the largest "
-                  "total variation between a cached teacher and the fp32 target's own "
-                  "distribution on the first sequences):"), "",
-                  ("| target dtype | batch | layers | tokens | tokens/s | vs first | bytes/token "
-                   "| max TV |"), "|---|---|---|---|---|---|---|---|"]
-        for r in res["caching"]:
-            rows = (f"{r.get('layers') or '-'}" + (f", final from {r['final_from']}"
-                                                  if r.get("final_from") else ""))
-            lines.append(f"| {r['dtype']} | {r['batch_size']} | {rows} | {r['tokens']} | "
-                         f"{r['tokens_per_s']:.0f} | {r['vs_first']:.2f}x | "
-                         f"{r['bytes_per_token']} | {r['max_tv']:.2e} |")
-    path.write_text("\n".join(lines) + "\n")
+                       "total variation between a cached teacher and the fp32 target's own "
+                       "distribution on the first sequences):"), ""]
+        lines += table(["target dtype", "batch", "layers", "tokens", "tokens/s", "vs first",
+                        "bytes/token", "max TV"],
+                       [[r["dtype"], r["batch_size"],
+                         f"{r.get('layers') or '-'}" + (f", final from {r['final_from']}"
+                                                        if r.get("final_from") else ""),
+                         r["tokens"], f"{r['tokens_per_s']:.0f}", f"{r['vs_first']:.2f}x",
+                         r["bytes_per_token"], f"{r['max_tv']:.2e}"] for r in res["caching"]])
+    return lines
 
 
 def run(cfg: DictConfig) -> dict:
@@ -242,12 +237,11 @@ def run(cfg: DictConfig) -> dict:
            "gemm_shape": "x".join(map(str, shape)), "training": training, "caching": caching,
            "wall_s": time.perf_counter() - t0, "environment": environment("cpu"),
            "command": "python scripts/bench_train.py " + " ".join(sys.argv[1:])}
-    out = Path(str(cfg.out_dir))
-    out = out if out.is_absolute() else REPO / out
+    out = repo_path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    write_markdown(res, out / "results.md")
-    note(f"wrote {out / 'results.md'} ({res['wall_s']:.0f} s)")
+    write_markdown(out / "results.md", results_markdown(res))
+    note(TOOL, f"wrote {out / 'results.md'} ({res['wall_s']:.0f} s)")
     return res
 
 
@@ -255,8 +249,7 @@ def run(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     """Command line: run every variant, then print the tables."""
     run(cfg)
-    out = Path(str(cfg.out_dir))
-    print((out if out.is_absolute() else REPO / out).joinpath("results.md").read_text())
+    print((repo_path(cfg.out_dir) / "results.md").read_text())
 
 
 def cli() -> None:  # draftsmith-bench-train or python scripts/bench_train.py

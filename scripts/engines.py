@@ -2,8 +2,8 @@
 
     python scripts/engines.py drafts=[PKG,...]        (make engines)
 
-For each draft package and each export format its family writes (``DraftFamily.
-export_formats``), the package is exported; the export runs in its engine (greedy, same
+For each draft package and each export format its family writes (``DraftFamily.exports``,
+each naming its engine), the package is exported; the export runs in its engine (greedy, same
 prompts, the same K) next to plain decoding in that engine and next to draftsmith's chain
 decoder with the same K on the same export: vLLM-CPU for ``hf``, ``medusa``, ``eagle``,
 ``eagle3``, ``speculators`` and ``dflash``; llama.cpp for ``gguf``: a draft LM through
@@ -34,7 +34,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.eval import CONF_DIR
+from draftsmith.eval.markdown import table, write_markdown
 from draftsmith.eval.session import NOISE_TOLERANCE
+from draftsmith.heads.exports import export_format
 from draftsmith.scripts.engine_envs import (
     ENVS,
     READY,
@@ -44,30 +46,22 @@ from draftsmith.scripts.engine_envs import (
     note,
 )
 from draftsmith.scripts.engine_speed import best_draft_length, from_timings
+from draftsmith.scripts.tooling import REPO, repo_path
 
 __all__ = ["ENVS", "READY", "EngineUnavailable", "ensure_env", "run"]
 
-REPO = Path(__file__).resolve().parents[1]
 RUNNERS = REPO / "scripts" / "engine_runners"
 # formats a library also loads besides the engine that runs them (no decoding: a load check)
 LOADERS = {"speculators": "speculators"}
-# export format -> (engine, vLLM speculative method; None: the engine reads the format itself:
-# a speculators export is served as the model, llama.cpp takes a GGUF draft)
-FORMAT_ENGINE = {"eagle": ("vllm", "eagle"), "eagle3": ("vllm", "eagle3"),
-                 "medusa": ("vllm", "medusa"), "hf": ("vllm", "draft_model"),
-                 "speculators": ("vllm", None), "dflash": ("vllm", None),
-                 "gguf": ("llama_cpp", None)}
 # a gguf made by llama.cpp's own converter (DraftFamily.gguf_layout) -> llama-server's
-# --spec-type and the row's format (a draft LM's gguf runs in llama-cpp-python: FORMAT_ENGINE)
+# --spec-type and the row's format (a draft LM's gguf runs in llama-cpp-python)
 SPEC_TYPES = {"eagle3": "draft-eagle3", "zlab_dflash": "draft-dflash"}
 GGUF_LABELS = {"eagle3": "gguf (eagle3)", "zlab_dflash": "gguf (dflash)"}
 
 
 def format_engine(fmt: str, family: Any) -> str:
     """The engine that runs ``fmt`` exports of ``family``'s drafts."""
-    if fmt == "gguf" and family.gguf_layout is not None:
-        return "llama_server"
-    return FORMAT_ENGINE[fmt][0]
+    return export_format(fmt, family).engine
 
 
 def draft_lengths(cfg: DictConfig, engine: str, pkg: Any) -> tuple[int, list[int]]:
@@ -156,8 +150,8 @@ def engine_run(fmt: str, export: Path, k: int, engine: str | None = None,
                sweep_prompts: int | None = None) -> dict:
     """The engine's speculative run of an export (at ``k``, then timed at each ``sweep`` length
     on the first ``sweep_prompts`` prompts)."""
-    engine = engine or FORMAT_ENGINE[fmt][0]
-    method = FORMAT_ENGINE[fmt][1]
+    engine = engine or export_format(fmt).engine
+    method = export_format(fmt).method  # None: the engine reads the format (speculators, GGUF)
     timing = {"sweep": list(sweep or []), "sweep_prompts": sweep_prompts}
     if engine in ("llama_cpp", "llama_server"):
         from draftsmith.scripts.export_gguf import GGUF_FILE
@@ -321,22 +315,21 @@ def _speed_cell(r: dict) -> str:
             f"{', noisy' if r.get('engine_noisy') else ''})")
 
 
-def write_markdown(rows: list[dict], path: Path) -> None:
-    header = ("| draft | format | engine | loads | greedy = engine plain | greedy = ours | "
-              "acceptance per position (engine) | (ours) | within 10% | engine speedup "
-              "(paired) | K / best K (engine) / K* (ours) | error |")
-    lines = [header, "|" + "---|" * 12]
-    for r in rows:
-        ks = " / ".join(_cell(r.get(x)) for x in ("k", "engine_best_k", "our_k_star"))
-        lines.append("| " + " | ".join(_cell(x) for x in (
-            r["draft"], r["format"],
-            " ".join(x for x in (r["engine"], r.get("version"),
-                                 r.get("engine_target") and f"({r['engine_target']})") if x),
-            r["loads"], r.get("greedy_identical_to_engine_plain"),
-            r.get("greedy_identical_to_ours"), r.get("engine_acceptance"),
-            r.get("our_acceptance"), r.get("acceptance_within_10pct"), _speed_cell(r), ks,
-            (r.get("error") or "").replace("|", "/").replace("\n", " ")[:160])) + " |")
-    path.write_text("\n".join(lines) + "\n")
+def rows_markdown(rows: list[dict]) -> list[str]:
+    """The comparison's rows as one markdown table."""
+    return table(
+        ["draft", "format", "engine", "loads", "greedy = engine plain", "greedy = ours",
+         "acceptance per position (engine)", "(ours)", "within 10%", "engine speedup (paired)",
+         "K / best K (engine) / K* (ours)", "error"],
+        [(r["draft"], r["format"],
+          " ".join(x for x in (r["engine"], r.get("version"),
+                               r.get("engine_target") and f"({r['engine_target']})") if x),
+          r["loads"], r.get("greedy_identical_to_engine_plain"),
+          r.get("greedy_identical_to_ours"), r.get("engine_acceptance"),
+          r.get("our_acceptance"), r.get("acceptance_within_10pct"), _speed_cell(r),
+          " / ".join(_cell(r.get(x)) for x in ("k", "engine_best_k", "our_k_star")),
+          (r.get("error") or "").replace("|", "/").replace("\n", " ")[:160]) for r in rows],
+        _cell)
 
 
 def engine_ready(engine: str, root: Path) -> tuple[Path, Path | None]:
@@ -364,7 +357,8 @@ def _plan(cfg: DictConfig, loaded: Any, root: Path, tmp: Path, rows: list[dict])
     label, target) -> (python, server, [(row index, export, k, run), ...])``; a refused export or
     an engine that cannot be made is a row with its error, a library's load check a row."""
     from draftsmith.eval.draft import load_draft
-    from draftsmith.scripts.export import ExportError, export_package
+    from draftsmith.scripts.export import export_package
+    from draftsmith.scripts.export_formats import ExportError
 
     pending: dict[tuple[str, str, str], tuple[Path, Path | None, list]] = {}
     for d in [str(d) for d in cfg.drafts]:
@@ -419,7 +413,7 @@ def run(cfg: DictConfig) -> list[dict]:
     loaded = load_target(cfg.target_path or None)
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, int(cfg.limit))
     rows: list[dict] = []
-    root = (REPO / str(cfg.engines_dir)).resolve()
+    root = repo_path(cfg.engines_dir)
     with tempfile.TemporaryDirectory(prefix="engines-") as tmp:
         pending = _plan(cfg, loaded, root, Path(tmp), rows)
         for (engine, where, target), (python, server, items) in pending.items():
@@ -436,10 +430,10 @@ def run(cfg: DictConfig) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 (the engine's run is kept in the row)
                     rows[i].update(format=run["name"], engine=engine, loads=res.get("ok", False),
                                    engine_result=res, error=f"ours: {type(e).__name__}: {e}")
-    out = REPO / str(cfg.out)
+    out = repo_path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "config": OmegaConf.to_container(cfg)}, indent=1))
-    write_markdown(rows, out.with_suffix(".md"))
+    write_markdown(out.with_suffix(".md"), rows_markdown(rows))
     note(f"wrote {out} and {out.with_suffix('.md')}")
     return rows
 

@@ -44,33 +44,24 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.eval import CONF_DIR
-from draftsmith.heads.exports import FORMATS, format_families
-from draftsmith.heads.family import DraftFamily
-from draftsmith.heads.package import (
-    FORMAT_VERSION,
-    MANIFEST,
-    load_package,
-    staged,
-    write_manifest,
-)
+from draftsmith.heads.exports import export_format, export_formats, format_families
+from draftsmith.heads.family_base import DraftFamily, load_object
+from draftsmith.heads.manifest import MANIFEST, write_manifest
+from draftsmith.heads.package import FORMAT_VERSION, load_package
+from draftsmith.heads.publish import staged
 from draftsmith.heads.vocab import TOKEN_FREQUENCY
-from draftsmith.scripts.export_dflash import write_dflash
 from draftsmith.scripts.export_formats import (
     REFERENCE_FILES,
     REFERENCE_WITH_EMBEDDING,
-    WRITERS,
     ExportError,
     WriteOptions,
     _write_json,
 )
-from draftsmith.scripts.export_gguf_convert import write_gguf_export
 
 __all__ = ["ExportError", "OutPathError", "check_out", "export_package", "tensor_shapes"]
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
-# the writer of each format
-FORMAT_WRITERS = {**WRITERS, "dflash": write_dflash, "gguf": write_gguf_export}
 
 
 class OutPathError(ValueError):
@@ -150,7 +141,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
 
     Args:
         draft: the draft package folder.
-        fmt: one of ``FORMATS``.
+        fmt: one of ``heads.exports.export_formats()`` (the families' ``exports``).
         out: the export folder: new, empty, or (``overwrite``) a previous export of this same
             package; never the package itself, a folder inside it or one holding it
             (:func:`check_out`).
@@ -179,8 +170,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     Raises:
         OutPathError: writing ``out`` would lose files (nothing was written).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    if fmt not in export_formats():
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {export_formats()}")
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     check_out(Path(draft), Path(out), overwrite)
@@ -199,13 +190,14 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
     if fmt not in pkg.family.export_formats:
         names = " or ".join(f"'{f.name}'" for f in format_families(fmt))
         raise ValueError(f"format={fmt} exports {names} drafts, but {draft} "
-                         f"holds a '{pkg.kind}' draft; use format="
+                         f"holds a '{pkg.family.name}' draft; use format="
                          f"{' or '.join(pkg.family.export_formats)}")
     fixed = pkg.family.engine_draft_length(pkg.head_config)
     if fixed is not None and num_speculative_tokens not in (None, fixed):
-        raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: this {pkg.kind} draft "
-                          f"drafts {fixed} tokens a forward and engines size its block from this "
-                          f"number; pass num_speculative_tokens={fixed} or null")
+        raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: this "
+                          f"{pkg.family.name} draft drafts {fixed} tokens a forward and engines "
+                          f"size its block from this number; pass num_speculative_tokens={fixed} "
+                          "or null")
     k = fixed or num_speculative_tokens or speculative_tokens(pkg.speculation, pkg.family,
                                                              pkg.head_config)
     if verifier is None and getattr(target, "path", None) is not None:
@@ -222,7 +214,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                             reference_files,
                             None if getattr(target, "path", None) is None else str(target.path),
                             None if engines_dir is None else str(engines_dir))
-        FORMAT_WRITERS[fmt](pkg, tmp, opts)
+        load_object(export_format(fmt, pkg.family).writer)(pkg, tmp, opts)
         if pkg.speculation is not None:
             _write_json(tmp / "speculation.json", pkg.speculation)
         if (pkg.path / TOKEN_FREQUENCY).is_file():  # the draft vocabulary of speculation.json
@@ -231,7 +223,7 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
                else {})
         write_manifest(tmp, {
             "format_version": FORMAT_VERSION, "export_format": fmt, "engine": engine,
-            "draft_kind": pkg.kind, "target": pkg.info["target"],
+            "draft_kind": pkg.family.name, "target": pkg.info["target"],
             "head_config": pkg.info["head_config"], "target_config": pkg.info.get("target_config"),
             "training_config": src.get("training_config"), "num_speculative_tokens": k,
             "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path)})

@@ -27,13 +27,15 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.exports import WEIGHTS, fc_columns
+from draftsmith.heads.exports import fc_columns
 from draftsmith.heads.package import DraftPackage
+from draftsmith.heads.weights import WEIGHTS
 from draftsmith.scripts.export_formats import (
     _refuse,
     _save,
     _speculators_config,
     _write_json,
+    fused_layer_incompatibilities,
     readable_by_older_loaders,
 )
 
@@ -42,18 +44,7 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose dflash config thi
 
 def dflash_incompatibilities(pkg: DraftPackage) -> list[str]:
     """Why vLLM would compute other drafts than the package's drafter (empty = exact)."""
-    cfg = pkg.head_config
-    n_layers = pkg.info["target"]["num_layers"]
-    ids = list(cfg.fuse_layers)
-    why = []
-    if n_layers in ids:
-        why.append(f"fuse_layers={ids} holds {n_layers}, the target's final hidden state after "
-                   "its final norm; vLLM captures every layer before that norm, so it would feed "
-                   f"it un-normed: train with layer ids below {n_layers}, e.g. "
-                   f"[2, {n_layers // 2}, {n_layers - 3}]")
-    if len(set(ids)) != len(ids):
-        why.append(f"fuse_layers={ids} repeats a layer; vLLM captures each layer once")
-    return why
+    return fused_layer_incompatibilities(pkg, "vLLM captures")
 
 
 def transformer_layer_config(pkg: DraftPackage, dtype: torch.dtype) -> dict[str, Any]:

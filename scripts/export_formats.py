@@ -22,12 +22,12 @@ from draftsmith.heads.exports import (
     EAGLE1_LAYER_KEYS,
     EAGLE3_LAYER_KEYS,
     EAGLE3_LAYER_PREFIX,
-    MEDUSA_WEIGHTS,
-    WEIGHTS,
     fc_columns,
     rename_prefix,
 )
+from draftsmith.heads.medusa import MEDUSA_WEIGHTS
 from draftsmith.heads.package import DraftPackage
+from draftsmith.heads.weights import WEIGHTS
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
 # EAGLE-1 config.json architectures per engine: vLLM renames "LlamaForCausalLM" to
@@ -130,16 +130,24 @@ def eagle3_incompatibilities(pkg: DraftPackage) -> list[str]:
         return [(f"layout={cfg.layout}: EAGLE-3 engines feed the embedding to attention beside the "
                 "fused features (q/k/v read 2H), this head fuses it in fc; export it with "
                 "format=eagle, or retrain with draft.config.layout=eagle3")]
-    why = []
+    return fused_layer_incompatibilities(pkg, "EAGLE-3 engines capture")
+
+
+def fused_layer_incompatibilities(pkg: DraftPackage, capture: str) -> list[str]:
+    """Why an engine would feed a head other features than the target layers it fuses
+    (``head_config.fuse_layers``): the final layer id, whose hidden state transformers gives
+    after the final norm while engines capture every layer before it, or a repeated id.
+    ``capture`` says who captures (``"vLLM captures"``)."""
     n_layers = pkg.info["target"]["num_layers"]
-    ids = list(cfg.fuse_layers)
+    ids = list(pkg.head_config.fuse_layers)
+    why = []
     if n_layers in ids:
         why.append(f"fuse_layers={ids} holds {n_layers}, the target's final hidden state after "
-                   "its final norm; EAGLE-3 engines capture every layer before that norm (the "
-                   f"residual stream), so they would feed it un-normed: use layer ids below "
+                   f"its final norm; {capture} every layer before that norm (the residual "
+                   f"stream), so the final one would be fed un-normed: use layer ids below "
                    f"{n_layers}, e.g. [2, {n_layers // 2}, {n_layers - 3}]")
     if len(set(ids)) != len(ids):
-        why.append(f"fuse_layers={ids} repeats a layer; engines capture each layer once")
+        why.append(f"fuse_layers={ids} repeats a layer; {capture} each layer once")
     return why
 
 
@@ -408,9 +416,3 @@ def _write_speculators(pkg: DraftPackage, tmp: Path, opts: WriteOptions) -> None
         "torch_dtype": str(dtype).removeprefix("torch."),
         "transformers_version": transformers.__version__,
         "speculators_config": _speculators_config(pkg, opts, "eagle")})
-
-
-# the writer of each format written here; scripts/export.py adds dflash's (scripts/export_dflash.py,
-# which builds on the helpers above)
-WRITERS = {"hf": _write_hf, "gguf": _write_gguf, "medusa": _write_medusa, "eagle": _write_eagle,
-           "eagle3": _write_eagle3, "speculators": _write_speculators}

@@ -164,15 +164,15 @@ def write_converted_gguf(pkg: DraftPackage, tmp: Path, opts: WriteOptions, targe
     if why:
         raise ExportError(why)
     if target_dir is None:
-        raise ExportError(f"format=gguf of a {pkg.kind} draft needs the target's folder (config "
-                          "and tokenizer) for llama.cpp's converter: load the target "
+        raise ExportError(f"format=gguf of a {pkg.family.name} draft needs the target's folder "
+                          "(config and tokenizer) for llama.cpp's converter: load the target "
                           "(target_path=... or check_target=true)")
     with tempfile.TemporaryDirectory(prefix="gguf-stage-") as stage:
         draft_dir, target_stub = Path(stage) / "draft", Path(stage) / "target"
         draft_dir.mkdir()
         ids = STAGERS[layout](pkg, draft_dir, opts)
         stage_target(Path(target_dir), target_stub)
-        note(f"converting the {pkg.kind} draft with llama.cpp's convert_hf_to_gguf.py")
+        note(f"converting the {pkg.family.name} draft with llama.cpp's convert_hf_to_gguf.py")
         log = run_converter(draft_dir, target_stub, tmp / GGUF_FILE, OUTTYPES[opts.dtype], root)
     if layout == "eagle3" and converter_layers(log) != ids:
         raise ExportError(f"llama.cpp's converter wrote target layers {converter_layers(log)}, "

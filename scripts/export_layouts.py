@@ -69,7 +69,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftsmith.heads.exports import MEDUSA_WEIGHTS, WEIGHTS
+from draftsmith.heads.medusa import MEDUSA_WEIGHTS
+from draftsmith.heads.weights import WEIGHTS
 
 # Config keys each format's config.json must carry.
 REQUIRED_CONFIG: dict[str, tuple[str, ...]] = {
@@ -224,7 +225,7 @@ def layout_problems(fmt: str, config: dict[str, Any], shapes: dict[str, tuple]) 
     """Differences between an export's config/tensors and the written layout (empty = conforms).
 
     Args:
-        fmt: one of ``heads.exports.FORMATS``.
+        fmt: one of ``heads.exports.export_formats()``.
         config: the export's ``config.json``.
         shapes: tensor name -> shape read from its weights file.
     """

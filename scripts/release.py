@@ -5,7 +5,10 @@ or run a whole release recipe (``conf/release/<name>.yaml``: training stages, re
     python scripts/release.py recipe=eagle3-smollm2-135m [out=DIR] [dry_run=true]   # make release
 
 Training keeps fp32 master weights; a release stores them in ``dtype`` (bf16 by default: the
-weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly). Integer and bool
+weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly); an int8 package
+(``scripts/quantize.py``) stores its quantized Linears as int8 with per-channel scales
+(``heads.weights.int8_state``: the int8 its decode uses, half the bytes). Weights over
+``max_shard_mb`` go into shards. Integer and bool
 buffers (an EAGLE-3 head's d2t / t2d maps) are kept. ``release.json`` records the source
 package's manifest sha256, the command and the date. The source is verified first (its manifest
 and target identity, and its signature: a trusted signer), and ``out`` must not be the source or
@@ -38,8 +41,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.eval import CONF_DIR
 from draftsmith.heads.family import get_family
-from draftsmith.heads.package import MANIFEST, PACKAGE_JSON, derive_package, verify_folder
-from draftsmith.heads.weights import load_weights, save_weights, weight_files
+from draftsmith.heads.manifest import MANIFEST
+from draftsmith.heads.package import PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.heads.weights import (
+    SCALE,
+    int8_state,
+    load_weights,
+    save_weights,
+    weight_files,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,14 +74,21 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
         raise ValueError("release.py handles head packages (eagle, medusa); a draft LM package is "
                          "a transformers folder: save it with save_pretrained(torch_dtype=...)")
 
+    quant = info.get("quantization") or {}
+    int8 = list(quant.get("modules") or []) if quant.get("scheme") == "int8" else []
+
     def write(tmp: Path) -> None:
-        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
-                 for k, v in load_weights(src).items()}
+        # an int8 package: its quantized Linears stored as the int8 a decode uses (computed from
+        # the trained float32 weights, as its load would), the rest in dtype
+        state = int8_state(load_weights(src), int8)
+        state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() and not k.endswith(SCALE)
+                 else v for k, v in state.items()}
         bound = None if max_shard_mb is None else int(float(max_shard_mb) * 1e6)
         save_weights(state, tmp, {"format": "pt", "draft_kind": info["draft_kind"]}, bound)
         source_manifest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
         record = {"source_package": str(draft), "source_manifest_sha256": source_manifest,
                   "weights_dtype": dtype, "command": command,
+                  "int8_modules": len(int8),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                       timespec="seconds")}
         (tmp / "release.json").write_text(json.dumps(record, indent=2))

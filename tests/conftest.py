@@ -31,6 +31,7 @@ def _torch_threads():
     if torch.get_num_threads() != THREADS:
         torch.set_num_threads(THREADS)
 
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -39,6 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests start early and the short ones fill in around them, instead of one long test running
     alone at the end."""
     items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in ("slow", "real")))
+
+
 SHARED = REPO.parent / "shared"
 MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
 

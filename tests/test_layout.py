@@ -1,8 +1,10 @@
-"""The house rules of the code base, checked: floors, no import cycles, file sizes, one family
-list, ruff clean."""
+"""The house rules of the code base, checked: floors, no import cycles, names imported from
+where they are defined, module sizes, one family list, ruff clean (complexity and layout
+included)."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -16,7 +18,10 @@ from draftsmith.heads.family import FAMILIES
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("data", "heads", "train", "eval", "scripts")
 LIBRARY = ("data", "heads", "train", "eval")  # the floors below scripts/
-MAX_LINES = 500
+MAX_LINES = 450  # a product module is read in one sitting; split it by job before this
+# Product modules allowed past a rule for now, each with the reason. An entry that no longer
+# needs its allowance fails the rule's test until it is taken off.
+PENDING: dict[str, str] = {}  # module -> why it is still over the limit (none now)
 # Where a family may be named: the registry and the family's own head module and proposer.
 FAMILY_FILES = {"heads/family.py", "heads/draft_lm.py", "heads/medusa.py", "heads/eagle.py",
                 "eval/decoding/proposers.py", "eval/decoding/proposers_medusa.py",
@@ -195,10 +200,141 @@ def test_pyproject_installs_only_draftsmith_and_an_entry_point_per_command():
     assert commands <= targets, f"commands without a draftsmith-* entry: {commands - targets}"
 
 
-def test_no_source_file_is_over_500_lines():
-    long = {p.relative_to(REPO).as_posix(): n for p in _sources(PACKAGES)
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"files over {MAX_LINES} lines: {long}"
+def long_modules(root: Path, dirs: tuple[str, ...], limit: int = MAX_LINES) -> dict[str, int]:
+    """The modules under ``root/<dirs>`` longer than ``limit`` lines, with their length."""
+    return {p.relative_to(root).as_posix(): n for d in dirs
+            for p in sorted((root / d).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > limit}
+
+
+def test_no_product_module_is_over_450_lines():
+    long = long_modules(REPO, PACKAGES)
+    assert set(long) <= set(PENDING), (f"modules over {MAX_LINES} lines (split each by job): "
+                                       f"{ {k: v for k, v in long.items() if k not in PENDING} }")
+    fixed = sorted(set(PENDING) - set(long))
+    assert not fixed, f"{fixed} are within {MAX_LINES} lines now: take them off PENDING"
+
+
+def test_twin_a_module_over_the_line_cap_is_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules(tmp_path, ("pkg",)) == {"pkg/long.py": MAX_LINES + 1}
+
+
+def _top_level(tree: ast.Module) -> tuple[set[str], dict[str, str]]:
+    """A module's own top-level names (definitions, assignments; under ``if``/``try`` too) and
+    the names it imports, each with where from."""
+    defined: set[str] = set()
+    imported: dict[str, str] = {}
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update(n.id for t in targets for n in ast.walk(t)
+                               if isinstance(n, ast.Name))
+            elif isinstance(node, ast.ImportFrom):
+                imported.update({a.asname or a.name: node.module or "." for a in node.names})
+            elif isinstance(node, ast.Import):
+                imported.update({a.asname or a.name.split(".")[0]: a.name for a in node.names})
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                for part in (getattr(node, "handlers", []), [getattr(node, "orelse", [])]):
+                    for b in part:
+                        visit(b.body if isinstance(b, ast.ExceptHandler) else b)
+
+    visit(tree.body)
+    return defined, imported
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    parts = module.split(".")
+    if parts[0] != "draftsmith":
+        return None
+    path = root.joinpath(*parts[1:])
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def passed_on_imports(root: Path, dirs: tuple[str, ...]) -> list[str]:
+    """Every ``from draftsmith.X import name`` under ``root/<dirs>`` where X does not define
+    ``name`` but imports it itself (a re-export: the import should name where it is defined)."""
+    found, parsed = [], {}
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                    continue
+                source = _module_file(root, node.module)
+                if source is None:
+                    continue
+                if source not in parsed:
+                    parsed[source] = _top_level(ast.parse(source.read_text(), str(source)))
+                defined, imported = parsed[source]
+                for alias in node.names:
+                    if (alias.name in imported and alias.name not in defined
+                            and _module_file(root, f"{node.module}.{alias.name}") is None):
+                        found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}: "
+                                     f"{alias.name} from {node.module}, which imports it from "
+                                     f"{imported[alias.name]}")
+    return found
+
+
+def reexport_modules(root: Path, dirs: tuple[str, ...]) -> list[str]:
+    """Modules under ``root/<dirs>`` made only of imports (besides a docstring and ``__all__``),
+    and modules that keep an import only to pass it on (``noqa: F401``)."""
+    found = []
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            text, rel = path.read_text(), path.relative_to(root).as_posix()
+            body = [n for n in ast.parse(text, str(path)).body
+                    if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+                    and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+                    and not (isinstance(n, ast.Assign)
+                             and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
+            if body and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body):
+                found.append(f"{rel}: made only of imports")
+            elif re.search(r"noqa:[^\n]*\bF401\b", text):
+                found.append(f"{rel}: an import kept only to be passed on (noqa: F401)")
+    return found
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """No re-export chains: product code and tests import each name from its defining module."""
+    found = passed_on_imports(REPO, (*PACKAGES, "tests"))
+    assert not found, "import these from where they are defined:\n" + "\n".join(found)
+
+
+def test_no_module_passes_on_imports():
+    found = [f for f in reexport_modules(REPO, PACKAGES) if f.split(":")[0] not in PENDING]
+    assert not found, "re-exports (import from the defining module instead):\n" + "\n".join(found)
+
+
+def test_twin_re_exports_are_found(tmp_path):
+    """A module of imports only, a ``noqa: F401`` import and an import of a name through a
+    module that only imports it are found; the same names imported from their home are not."""
+    (tmp_path / "pkg").mkdir()
+    for rel, text in {
+        "pkg/__init__.py": '"""A package."""\n',
+        "pkg/home.py": "VALUE = 1\n\n\ndef f():\n    return VALUE\n",
+        "pkg/shim.py": ('"""Old home."""\nfrom __future__ import annotations\n\n'
+                        "from draftsmith.pkg.home import VALUE, f\n\n__all__ = ['VALUE', 'f']\n"),
+        "pkg/user.py": "from draftsmith.pkg.home import f  # noqa: F401 (the API)\n\nX = 2\n",
+        "pkg/reader.py": "from draftsmith.pkg.shim import VALUE\nfrom draftsmith.pkg import home\n",
+        "pkg/fine.py": "from draftsmith.pkg.home import VALUE\n\nY = VALUE\n",
+    }.items():
+        (tmp_path / rel).write_text(text)
+    assert reexport_modules(tmp_path, ("pkg",)) == [
+        "pkg/reader.py: made only of imports", "pkg/shim.py: made only of imports",
+        "pkg/user.py: an import kept only to be passed on (noqa: F401)"]
+    assert passed_on_imports(tmp_path, ("pkg",)) == [
+        ("pkg/reader.py:1: VALUE from draftsmith.pkg.shim, which imports it from "
+         "draftsmith.pkg.home")]
 
 
 def test_every_command_line_takes_hydra_overrides():
@@ -218,15 +354,48 @@ def test_every_command_line_takes_hydra_overrides():
     assert versions == {"1.3"}, f"one Hydra version_base everywhere, not {sorted(versions)}"
 
 
-def test_ruff_is_clean():
+def _ruff() -> str:
     ruff = str(Path(sys.executable).with_name("ruff"))
     if not Path(ruff).exists():
         ruff = shutil.which("ruff") or ruff
     if not Path(ruff).exists():
         pytest.skip("ruff is not installed (make install adds it)")
-    out = subprocess.run([ruff, "check", *PACKAGES, "tests"], cwd=REPO, capture_output=True,
-                         text=True, check=False)
-    assert out.returncode == 0, out.stdout[-3000:]
+    return ruff
+
+
+def ruff_passes(paths: list[str], cwd: Path = REPO) -> list[list[str]]:
+    """The two ``ruff check`` passes of ``make lint`` over ``paths`` (run in ``cwd``, with the
+    repository's pyproject.toml): its rules, complexity included, then the layout rules
+    (``LAYOUT_RULES`` in the Makefile, preview rules named one by one)."""
+    rules = re.search(r"^LAYOUT_RULES := ((?:.*\\\n)*.*)$", (REPO / "Makefile").read_text(),
+                      re.MULTILINE)
+    layout = ",".join(rules.group(1).replace("\\", " ").split())
+    config = ["--config", str(REPO / "pyproject.toml")]
+    return [[_ruff(), "check", *config, *paths],
+            [_ruff(), "check", *config, "--preview", "--select", layout, *paths]]
+
+
+def test_ruff_is_clean():
+    for cmd in ruff_passes([*PACKAGES, "tests"]):
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+        assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_twin_ruff_finds_a_long_function_and_missing_blank_lines(tmp_path):
+    """The complexity ceilings and the layout rules are live: a function of 17 branches and 61
+    statements, and two functions with one blank line between them, are refused."""
+    branches = "".join(f"    if x == {i}:\n        y += {i}\n" for i in range(17))
+    statements = "".join(f"    y += {i}\n" for i in range(30))
+    (tmp_path / "long.py").write_text(f"def f(x):\n    y = 0\n{branches}{statements}    return y\n")
+    (tmp_path / "tight.py").write_text("def g():\n    return 1\n\ndef h():\n    return 2\n")
+    found = []
+    for cmd in ruff_passes(["long.py", "tight.py"], tmp_path):
+        out = subprocess.run(cmd + ["--output-format", "json"], cwd=tmp_path,
+                             capture_output=True, text=True, check=False).stdout
+        found.append({(Path(v["filename"]).name, v["location"]["row"], v["code"])
+                      for v in json.loads(out)})
+    assert found == [{("long.py", 1, code) for code in ("C901", "PLR0912", "PLR0915")},
+                     {("tight.py", 4, "E302")}]
 
 
 def _unindexed(bench: Path) -> list[str]:

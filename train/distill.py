@@ -7,8 +7,9 @@
 
 The recipe is one class: ``setup`` (accelerator, target, feature cache, draft, optimizer),
 ``train`` (the loop, validation, checkpoints), ``save_package`` and ``cleanup``. Components live in
-their packages: the feature cache in ``data/``, the draft families in ``heads/``, the losses and
-metrics in ``train/``.
+their packages: the feature cache in ``data/``, the draft families in ``heads/``, the loss of a
+micro-batch with its teacher paths in ``train/objective.py``, the losses and metrics in
+``train/``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from draftsmith.data.feature_data import open_features
-from draftsmith.data.features import logit_softcap, teacher_logits
+from draftsmith.data.teacher import logit_softcap
 from draftsmith.heads.manifest import write_json_atomic
 from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
 from draftsmith.train import checkpoint as ckpt
@@ -44,10 +45,9 @@ from draftsmith.train.config import (
     validate_against_target,
     validate_config,
 )
-from draftsmith.train.losses import feature_regression, shared_teacher_rows
 from draftsmith.train.memory import check_deepspeed_clipping as check_clipping
 from draftsmith.train.memory import check_memory_on_all_ranks as check_memory
-from draftsmith.train.memory import recompute_loss, shared_teacher_fits
+from draftsmith.train.objective import DistillObjective
 from draftsmith.train.runtime import (
     StepLog,
     batch_fingerprints,
@@ -135,12 +135,12 @@ class DistillRecipe:
                 f"{acc.num_processes} processes); use more data (data.num_conversations) "
                 "or a smaller batch")
 
-        # 3. draft, frozen teacher LM head, loss
+        # 3. draft, frozen teacher LM head, loss (train/objective.py)
         torch.manual_seed(cfg.seed)
         self.draft = build_trainable(cfg, self.target, self.train_set)
         self.lm_head = self.target.model.get_output_embeddings().weight.detach().to(acc.device)
         self.softcap = logit_softcap(self.target.model.config)  # Gemma 2 caps its logits
-        self.loss_fn = hydra.utils.instantiate(cfg.loss, softcap=self.softcap)
+        self.objective = DistillObjective(cfg, self.draft, self.lm_head, self.softcap, acc)
         check_memory(self.cfg, self.target.model, self.draft, self.accelerator)  # or refuse
 
         # 4. optimizer and schedule (the scheduler is stepped once per optimizer step by hand, so
@@ -207,78 +207,7 @@ class DistillRecipe:
         log.info("resumed from %s (step %d, epoch %d, batch %d)", last, self.step, self.epoch,
                  self.batch_in_epoch)
 
-    # ------------------------------------------------------------------ losses and metrics
-    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """Weighted loss over draft positions for one micro-batch.
-
-        Each position's loss is a mean over its masked tokens *across all processes*: the local
-        mean is rescaled by (local tokens / global tokens x processes), so after DDP/DeepSpeed
-        average the gradients, N processes make the same update as one process on the union of
-        their batches, whatever the padding.
-
-        Returns (loss, parts: per-position local losses, n_tokens: global position-1 tokens).
-        """
-        acc = self.accelerator
-        outputs = self.draft.forward(batch)
-        weights = self.draft.position_weights
-        d2t = self.draft.draft_to_target
-        total = torch.zeros((), device=self.accelerator.device)
-        parts: dict[str, float] = {}
-        shared = self._shared_teacher(batch, outputs)
-        budget = self.cfg.train.teacher_logits_budget
-        # vocabulary-wide student logits over the budget: the loss keeps nothing of its chunks
-        # for backward but recomputes them (at most one chunk's (rows, V) tensors alive)
-        recompute = recompute_loss(sum(pos.draft_logits.numel() for pos in outputs), budget)
-        for k, pos in enumerate(outputs):
-            # Only the counted rows (assistant tokens, no padding) go through the loss: families
-            # return them packed as (1, N, ...), all counted. The teacher comes from the cached
-            # hidden states through the frozen LM head: once per distinct row for all positions
-            # (train.teacher_per_token), else per position, at once when it fits the budget and
-            # otherwise in chunks inside the loss (never all (N, V) held).
-            student, labels, t_hidden = pos.draft_logits, pos.labels, pos.teacher_hidden
-            if student.shape[1] == 0:
-                lk = student.sum() * 0.0
-            elif shared is not None:
-                log_p, rows = shared
-                lk = self.loss_fn(student, None, None, teacher_logp=log_p,
-                                  teacher_logp_index=rows[k][None], draft_to_target=d2t,
-                                  labels=labels, recompute=recompute)
-            elif not recompute and student.shape[1] * self.lm_head.shape[0] <= budget:
-                teacher = teacher_logits(t_hidden, self.lm_head, softcap=self.softcap).detach()
-                lk = self.loss_fn(student, teacher, None, draft_to_target=d2t, labels=labels)
-            else:
-                lk = self.loss_fn(student, None, None, teacher_hidden=t_hidden,
-                                  lm_head_weight=self.lm_head, draft_to_target=d2t, labels=labels)
-            if pos.draft_hidden is not None and self.cfg.draft.feature_weight > 0:
-                feat = feature_regression(pos.draft_hidden, t_hidden, pos.mask)
-                lk = lk + self.cfg.draft.feature_weight * feat
-            n_local = pos.mask.sum().float()
-            n_global = acc.reduce(n_local.detach().clone(), reduction="sum").clamp(min=1)
-            total = total + weights[k] * lk * (n_local / n_global * acc.num_processes)
-            parts[f"loss/pos{k + 1}"] = float(lk.detach())
-            if k == 0:
-                n_tokens = n_global
-        return total, parts, n_tokens
-
-    def _shared_teacher(self, batch: dict, outputs: list
-                        ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """The (U, V_draft) teacher log-probabilities of the distinct rows the positions read,
-        each computed once (``train.teacher_per_token``), and per position the (N_k,) row of
-        each counted entry; or None for the per-position path (that setting off, or the batch's
-        (B*T, V_draft) log-probabilities over the budget)."""
-        if not self.cfg.train.teacher_per_token:
-            return None
-        hidden = batch["hidden"].flatten(0, 1)  # (B*T, H): at most this many distinct rows
-        vocab = self.lm_head.shape[0] if self.draft.draft_to_target is None \
-            else self.draft.draft_to_target.numel()
-        if not shared_teacher_fits(hidden.shape[0], vocab, self.cfg.train.teacher_logits_budget):
-            return None
-        rows = [pos.teacher_index[pos.mask] for pos in outputs]
-        lse = batch.get("teacher_lse") if self.cfg.train.teacher_lse else None  # cache format 2
-        return shared_teacher_rows(hidden, rows, self.lm_head, self.loss_fn.temperature,
-                                   self.draft.draft_to_target, self.loss_fn.renormalize,
-                                   None, None if lse is None else lse.flatten(), self.softcap)
-
+    # ------------------------------------------------------------------ metrics
     @torch.no_grad()
     def validate(self) -> dict:
         """Per draft position: expected acceptance sum(min(p, q)) and top-1 agreement."""
@@ -393,7 +322,7 @@ class DistillRecipe:
                 self.rank_fingerprints = batch_fingerprints(acc, batch)
             with acc.accumulate(model):
                 with acc.autocast():
-                    loss, parts, n_global = self.compute_loss(batch)
+                    loss, parts, n_global = self.objective(batch)
                 finite = acc.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")
                 if finite.item() < acc.num_processes:
                     last = ckpt.latest_checkpoint(self.out_dir)

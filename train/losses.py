@@ -40,121 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.data import features
+from draftsmith.data import teacher as data_teacher
+from draftsmith.train.teacher_probs import target_to_draft_index, teacher_log_probs
 
 LOSS_TERMS = ("fkl", "rkl", "tvd", "jsd", "ce", "ce_data")  # the config validator reads these
-
-
-def teacher_log_probs(teacher: Tensor, temperature: float, lm_head_weight: Tensor | None = None,
-                      draft_to_target: Tensor | None = None, renormalize: bool = False,
-                      softcap: float | None = None) -> Tensor:
-    """Teacher log-probabilities over the draft vocabulary.
-
-    Hidden states go through ``data.features.teacher_logits``, the one implementation of the
-    teacher's logits (shared with the feature cache, which cannot import ``train/``).
-
-    Args:
-        teacher: (..., V) logits, or (..., H) hidden states when ``lm_head_weight`` is given.
-        temperature: > 0.
-        lm_head_weight: (V, H) frozen LM head, or None when ``teacher`` holds logits.
-        draft_to_target: (V_draft,) long target id of each draft id, or None (same vocabulary).
-        renormalize: with a reduced vocabulary, renormalise over the draft ids (see module doc).
-        softcap: the target's final logit soft-cap (``data.features.logit_softcap``) or None;
-            applied to hidden-state teachers (logits given as ``teacher`` are taken as they are).
-
-    Returns:
-        (..., V_draft) float32 log-probabilities (not normalised when restricted without
-        renormalising).
-    """
-    if lm_head_weight is not None:
-        logits = features.teacher_logits(teacher, lm_head_weight, temperature, softcap)
-    else:
-        logits = features.scale_logits(teacher, temperature)
-    if draft_to_target is None:
-        return torch.log_softmax(logits, dim=-1)
-    if renormalize:
-        return torch.log_softmax(logits[..., draft_to_target], dim=-1)
-    return torch.log_softmax(logits, dim=-1)[..., draft_to_target]
-
-
-def target_to_draft_index(draft_to_target: Tensor, vocab_size: int) -> Tensor:
-    """(V,) long: the draft id of each target id, -1 where the target id is not in the draft."""
-    inv = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_to_target.device)
-    inv[draft_to_target] = torch.arange(draft_to_target.numel(), device=draft_to_target.device)
-    return inv
-
-
-TEACHER_CHUNK_ELEMENTS = 1 << 26  # rows x vocabulary per teacher LM-head call (256 MiB fp32)
-
-
-@torch.no_grad()
-def shared_teacher_rows(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
-                        temperature: float, draft_to_target: Tensor | None = None,
-                        renormalize: bool = False, chunk_size: int | None = None,
-                        log_normalizer: Tensor | None = None,
-                        softcap: float | None = None) -> tuple[Tensor, list[Tensor]]:
-    """Teacher log-probabilities of the distinct rows several draft positions read, each row
-    computed once, and where each position's entries find theirs.
-
-    The teacher of draft position k at token t is the position-1 teacher of token t+k-1, so the
-    positions of one batch read mostly the same rows of ``hidden``: the LM head and the
-    vocabulary-wide softmax run once per distinct row instead of once per position, and the
-    positions index the one (U, V_draft) result instead of holding copies of it.
-
-    With ``log_normalizer`` (the feature cache's ``teacher_lse``: the teacher's ``logsumexp`` at
-    temperature 1, computed when the cache was built) a reduced, not renormalised draft
-    vocabulary needs only the draft's rows of the LM head: ``log p = lm_head[d2t](h) - lse``,
-    with no vocabulary-wide logits or softmax (most of a training step's teacher cost).
-
-    Args:
-        hidden: (R, H) the batch's final hidden states, flattened over (B, T).
-        rows: per draft position, (N_k,) long indices into ``hidden`` (``teacher_index``).
-        lm_head_weight: (V, H) the target's frozen LM head.
-        temperature: > 0.
-        draft_to_target: (V_draft,) long, for a reduced draft vocabulary.
-        renormalize: see the module docstring.
-        chunk_size: distinct rows per LM-head call (bounds the (chunk, V) logits held at once);
-            None: ``TEACHER_CHUNK_ELEMENTS // V`` rows.
-        log_normalizer: (R,) float32 ``teacher_lse`` of each row of ``hidden``, or None. Used
-            only where it is exact: temperature 1, a reduced vocabulary, no renormalising.
-        softcap: the target's final logit soft-cap, or None.
-
-    Returns:
-        ``(log_p, index)``: (U, V_draft) float32 log-probabilities of the U distinct rows (as
-        ``teacher_log_probs``), and per position the (N_k,) long row of ``log_p`` of each entry.
-    """
-    flat = torch.cat([r.reshape(-1) for r in rows])
-    unique, inverse = torch.unique(flat, return_inverse=True)
-    vocab = lm_head_weight.shape[0]
-    if chunk_size is None:
-        chunk_size = max(1, TEACHER_CHUNK_ELEMENTS // vocab)
-    width = vocab if draft_to_target is None else draft_to_target.numel()
-    log_p = torch.empty(unique.numel(), width, dtype=torch.float32, device=hidden.device)
-    lse_path = (log_normalizer is not None and temperature == 1.0
-                and draft_to_target is not None and not renormalize)
-    rows_w = lm_head_weight[draft_to_target] if lse_path else None  # (V_draft, H): draft rows
-    for start in range(0, unique.numel(), chunk_size):
-        c = unique[start:start + chunk_size]
-        if lse_path:
-            log_p[start:start + c.numel()] = (features.teacher_logits(hidden[c], rows_w,
-                                                                      softcap=softcap)
-                                              - log_normalizer[c, None])
-        else:
-            log_p[start:start + c.numel()] = teacher_log_probs(
-                hidden[c], temperature, lm_head_weight, draft_to_target, renormalize, softcap)
-    return log_p, list(inverse.split([r.numel() for r in rows]))
-
-
-@torch.no_grad()
-def shared_teacher_log_probs(hidden: Tensor, rows: list[Tensor], lm_head_weight: Tensor,
-                             temperature: float, draft_to_target: Tensor | None = None,
-                             renormalize: bool = False, chunk_size: int | None = None,
-                             log_normalizer: Tensor | None = None) -> list[Tensor]:
-    """Per position, the (N_k, V_draft) float32 teacher log-probabilities of its entries
-    (copies gathered from :func:`shared_teacher_rows`, whose arguments it takes)."""
-    log_p, index = shared_teacher_rows(hidden, rows, lm_head_weight, temperature,
-                                       draft_to_target, renormalize, chunk_size, log_normalizer)
-    return [log_p[i] for i in index]
 
 
 class _ForwardKL(torch.autograd.Function):
@@ -168,7 +57,7 @@ class _ForwardKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: Tensor, log_p: Tensor, temperature: float) -> Tensor:  # (N, V) -> (N,)
-        zt = features.scale_logits(z, temperature)
+        zt = data_teacher.scale_logits(z, temperature)
         if zt.data_ptr() == z.data_ptr():
             zt = zt.clone()  # overwritten in place below
         p = log_p.exp()
@@ -258,7 +147,7 @@ class DistillLoss(nn.Module):
         fused: compute ``fkl`` with ``fused_forward_kl`` (hand-written gradient); False uses
             autograd through ``log_softmax`` (the reference it is tested against).
         softcap: the target's final logit soft-cap for teachers given as hidden states (the
-            recipe passes ``data.features.logit_softcap(target config)``), or None.
+            recipe passes ``data.teacher.logit_softcap(target config)``), or None.
     """
 
     def __init__(self, weights: dict[str, float], temperature: float = 1.0,
@@ -342,22 +231,10 @@ class DistillLoss(nn.Module):
         teacher = _check_inputs(student_logits, mask, teacher_logits, teacher_hidden,
                                 lm_head_weight, teacher_logp)
         mask = mask.bool()
-        n = mask.sum().clamp(min=1).float()
         terms = list(self.weights)
-        inv = None
-        if "ce_data" in terms:
-            if labels is None:
-                raise ValueError("the ce_data term needs labels (B, T) of target ids")
-            if draft_to_target is not None:
-                # sized from the ids: a teacher given as teacher_logp does not tell the target's
-                # vocabulary size
-                vocab = int(torch.cat([draft_to_target, labels.flatten()]).max()) + 1
-                inv = target_to_draft_index(draft_to_target, vocab)
+        inv = self._label_index(labels, draft_to_target)
         labels_t = labels if labels is not None else torch.zeros_like(mask, dtype=torch.long)
-
         given_log_p = teacher_logp is not None
-        fused_fkl = self.fused
-        need_log_q = not fused_fkl or any(name != "fkl" for name in terms)
 
         def chunk_fn(s: Tensor, t: Tensor, m: Tensor, lab: Tensor) -> Tensor:
             if given_log_p:
@@ -366,33 +243,8 @@ class DistillLoss(nn.Module):
                 with torch.no_grad():
                     log_p = teacher_log_probs(t, self.temperature, lm_head_weight,
                                               draft_to_target, self.renormalize, self.softcap)
-            if need_log_q:
-                log_q = torch.log_softmax(features.scale_logits(s, self.temperature), dim=-1)
-            out = []
-            for name in terms:
-                if name == "fkl":
-                    v = (fused_forward_kl(s, log_p, self.temperature) if fused_fkl
-                         else forward_kl(log_p, log_q))
-                elif name == "rkl":
-                    v = reverse_kl(log_p, log_q)
-                elif name == "tvd":
-                    v = tvd(log_p, log_q)
-                elif name == "jsd":
-                    v = generalized_jsd(log_p, log_q, self.jsd_beta)
-                elif name == "ce":
-                    v = -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
-                else:  # ce_data
-                    ids = inv[lab] if inv is not None else lab
-                    ok = m & (ids >= 0)
-                    v = -log_q.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-                    out.append(torch.where(ok, v, 0.0).sum())
-                    out.append(ok.sum().float())
-                    continue
-                out.append(torch.where(m, v, 0.0).sum())
-            return torch.stack(out)
+            return self._chunk_sums(s, log_p, m, lab, inv)
 
-        parts: dict[str, Tensor] = {}
-        total = student_logits.new_zeros((), dtype=torch.float32)
         sums = torch.zeros(len(terms) + ("ce_data" in terms), device=student_logits.device)
         # torch.split (not slicing): its backward concatenates the chunk gradients once
         # instead of materialising a full-size zero gradient per chunk. Chunks are
@@ -410,8 +262,62 @@ class DistillLoss(nn.Module):
                 sums = sums + checkpoint(chunk_fn, *args, use_reentrant=False)
             else:
                 sums = sums + chunk_fn(*args)
+        return self._weighted(sums, mask.sum().clamp(min=1).float(), student_logits)
+
+    def _label_index(self, labels: Tensor | None,
+                     draft_to_target: Tensor | None) -> Tensor | None:
+        """For ``ce_data`` over a reduced draft vocabulary: each target id's draft id (-1 where
+        it has none), else None."""
+        if "ce_data" not in self.weights:
+            return None
+        if labels is None:
+            raise ValueError("the ce_data term needs labels (B, T) of target ids")
+        if draft_to_target is None:
+            return None
+        # sized from the ids: a teacher given as teacher_logp does not tell the target's
+        # vocabulary size
+        vocab = int(torch.cat([draft_to_target, labels.flatten()]).max()) + 1
+        return target_to_draft_index(draft_to_target, vocab)
+
+    def _chunk_sums(self, s: Tensor, log_p: Tensor, m: Tensor, lab: Tensor,
+                    inv: Tensor | None) -> Tensor:
+        """One chunk's sums over its counted entries, a sum per term (``ce_data``: the sum and
+        its count), from the student logits ``s`` and the teacher's ``log_p``."""
+        log_q = None
+        if not self.fused or any(name != "fkl" for name in self.weights):
+            log_q = torch.log_softmax(data_teacher.scale_logits(s, self.temperature), dim=-1)
+        out = []
+        for name in self.weights:
+            if name == "ce_data":
+                ids = inv[lab] if inv is not None else lab
+                ok = m & (ids >= 0)
+                v = -log_q.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+                out += [torch.where(ok, v, 0.0).sum(), ok.sum().float()]
+            else:
+                out.append(torch.where(m, self._term(name, s, log_p, log_q), 0.0).sum())
+        return torch.stack(out)
+
+    def _term(self, name: str, s: Tensor, log_p: Tensor, log_q: Tensor | None) -> Tensor:
+        """One term per entry (not ``ce_data``)."""
+        if name == "fkl":
+            return (fused_forward_kl(s, log_p, self.temperature) if self.fused
+                    else forward_kl(log_p, log_q))
+        if name == "rkl":
+            return reverse_kl(log_p, log_q)
+        if name == "tvd":
+            return tvd(log_p, log_q)
+        if name == "jsd":
+            return generalized_jsd(log_p, log_q, self.jsd_beta)
+        return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)  # ce
+
+    def _weighted(self, sums: Tensor, n: Tensor,
+                  like: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The terms' means (over the ``n`` counted entries; ``ce_data`` over its own count)
+        and their weighted sum."""
+        parts: dict[str, Tensor] = {}
+        total = like.new_zeros((), dtype=torch.float32)
         i = 0
-        for name in terms:
+        for name in self.weights:
             if name == "ce_data":
                 value = sums[i] / sums[i + 1].clamp(min=1)
                 i += 2

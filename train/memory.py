@@ -24,29 +24,26 @@ What the estimate counts (bytes, per process), following the recipe's code paths
 * activations, roughly: rows x positions x the draft's Linear widths, and the batch's features;
 * a fixed allowance for the interpreter, libraries and allocator slack.
 
-The usable memory is the cgroup limit (``memory.max``, v1 ``memory.limit_in_bytes``) less what
-the cgroup already holds, or ``MemAvailable`` when lower or without a limit, shared among the
-machine's local processes, plus what this process already holds (its target is counted in the
-estimate); on CUDA, the device's free memory plus what this process reserved. The estimate must
-stay within ``MARGIN`` of it.
+The estimate must stay within ``MARGIN`` of the memory this process can use
+(:func:`train.host_memory.usable_memory`).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from draftsmith.heads.family import get_family
 from draftsmith.train.config import ConfigError
-from draftsmith.train.losses import TEACHER_CHUNK_ELEMENTS
+from draftsmith.train.host_memory import size_text, usable_memory
+from draftsmith.train.teacher_probs import TEACHER_CHUNK_ELEMENTS
 
 log = logging.getLogger("draftsmith.distill")
 
@@ -152,7 +149,7 @@ class MemoryEstimate:
         return sum(self.parts.values())
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {_size(b)}" for name, b in self.parts.items() if b)
+        return ", ".join(f"{name} {size_text(b)}" for name, b in self.parts.items() if b)
 
 
 def estimate(s: TrainShapes) -> MemoryEstimate:
@@ -248,85 +245,6 @@ def fitting_options(s: TrainShapes, limit: int) -> list[tuple[str, MemoryEstimat
     return found + [(name, estimate(x)) for name, x in _run_options(s, fits) if fits(x)]
 
 
-# ----------------------------------------------------------------------------- usable memory
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _stat_value(path: Path, key: str) -> int | None:
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key and value.strip().isdigit():
-                return int(value)
-    except OSError:
-        return None
-    return None
-
-
-def _meminfo_bytes(key: str, path: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _own_resident_bytes() -> int:
-    """Anonymous memory this process holds (its target, libraries); file pages not counted."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def _cgroup_free(cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[int, str] | None:
-    """Bytes the cgroup limit still allows (v2, else v1), or None without a limit."""
-    total = _meminfo_bytes("MemTotal") or 1 << 62
-    limit = _read_int(cgroup / "memory.max")
-    if limit is not None and limit < total:
-        used = _stat_value(cgroup / "memory.stat", "anon")
-        used = used if used is not None else _read_int(cgroup / "memory.current") or 0
-        return limit - used, f"cgroup memory.max {_size(limit)}"
-    limit = _read_int(cgroup / "memory" / "memory.limit_in_bytes")
-    if limit is not None and limit < total:
-        used = _stat_value(cgroup / "memory" / "memory.stat", "rss")
-        used = used if used is not None else _read_int(cgroup / "memory" / "memory.usage_in_bytes")
-        return limit - (used or 0), f"cgroup memory.limit_in_bytes {_size(limit)}"
-    return None
-
-
-def local_processes() -> int:
-    """Training processes on this machine (they share its memory)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
-
-
-def usable_memory(device: torch.device, processes: int | None = None) -> tuple[int, str]:
-    """Bytes this process can use for training, and where the number comes from."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return (free + torch.cuda.memory_reserved(device),
-                f"free memory of {device} + what this process reserved")
-    n = processes or local_processes()
-    own = _own_resident_bytes()
-    free = _meminfo_bytes("MemAvailable") or 0
-    source = "MemAvailable"
-    cgroup = _cgroup_free()
-    if cgroup is not None and cgroup[0] < free:
-        free, source = max(cgroup[0], 0), cgroup[1]
-    share = f" / {n} local processes" if n > 1 else ""
-    return own + free // n, f"{source}{share} + {_size(own)} this process holds"
-
-
 # ----------------------------------------------------------------------------- from a run
 def _storages(module: nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
@@ -374,9 +292,7 @@ def run_shapes(cfg: DictConfig, target_model: nn.Module, draft: Any,
                      and (p.is_meta or p.untyped_storage().data_ptr() not in own))
     width = sum(m.in_features + m.out_features for m in draft.module.modules()
                 if isinstance(m, nn.Linear) and m.out_features not in (vocab, vd))
-    head = draft.head_config
-    fused = len(getattr(head, "fuse_layers", None) or [])
-    own_heads = getattr(head, "num_heads", 0) if getattr(head, "lm_head", None) == "own" else 0
+    shape = get_family(draft.kind).memory_shape(draft.head_config)
     loss = cfg.loss
     weights = {k for k, w in (OmegaConf.select(cfg, "loss.weights") or {}).items() if w}
     temperature = float(OmegaConf.select(cfg, "loss.temperature", default=1.0))
@@ -389,7 +305,7 @@ def run_shapes(cfg: DictConfig, target_model: nn.Module, draft: Any,
         largest_trainable=max((p.numel() for p in trainable), default=0),
         param_bytes=max((p.element_size() for p in trainable), default=4),
         frozen_draft_bytes=frozen, target_bytes=target_bytes, activation_width=width,
-        feature_width=hidden * (1 + fused),
+        feature_width=hidden * (1 + shape.fused_layers),
         logits_bytes=2 if mp in ("bf16", "fp16") else 4,
         teacher_budget=int(cfg.train.teacher_logits_budget),
         teacher_per_token=bool(cfg.train.teacher_per_token),
@@ -397,8 +313,8 @@ def run_shapes(cfg: DictConfig, target_model: nn.Module, draft: Any,
                             and temperature == 1.0 and not loss.get("renormalize", False)),
         fused_fkl_only=weights == {"fkl"} and bool(loss.get("fused", True)),
         loss_chunk=int(loss.get("chunk_size", 256)), cuda=cuda,
-        own_lm_head_params=own_heads * vocab * hidden,
-        reducible_vocab=d2t is None and getattr(head, "draft_vocab_size", False) is None,
+        own_lm_head_params=shape.own_lm_heads * vocab * hidden,
+        reducible_vocab=d2t is None and shape.reducible_vocab,
         mixed_precision=mp)
 
 
@@ -406,19 +322,20 @@ def check_memory(shapes: TrainShapes, usable: int, source: str = "") -> MemoryEs
     """Log the estimate; raise ConfigError when it exceeds ``MARGIN`` of ``usable`` bytes."""
     est = estimate(shapes)
     limit = int(usable * MARGIN)
-    log.info("memory estimate: %s peak per process (%s) of %s usable (%s)", _size(est.total),
-             est.describe(), _size(usable), source or "given")
+    log.info("memory estimate: %s peak per process (%s) of %s usable (%s)", size_text(est.total),
+             est.describe(), size_text(usable), source or "given")
     if est.total <= limit:
         return est
     options = fitting_options(shapes, limit)
-    lines = [f"  {name}  (estimated {_size(e.total)})" for name, e in options]
+    lines = [f"  {name}  (estimated {size_text(e.total)})" for name, e in options]
     advice = ("Overrides that would fit:\n" + "\n".join(lines) if lines else
               "No override found that fits: use a machine with more memory, or combine a "
               "smaller train.micro_batch_size with a shorter data.max_length.")
     raise ConfigError(
-        f"training would need about {_size(est.total)} per process but {_size(limit)} is "
-        f"usable ({MARGIN:.0%} of {_size(usable)}: {source or 'given'}); the kernel would likely "
-        f"kill it for lack of memory in its first steps.\nEstimate: {est.describe()} "
+        f"training would need about {size_text(est.total)} per process but "
+        f"{size_text(limit)} is usable ({MARGIN:.0%} of {size_text(usable)}: "
+        f"{source or 'given'}); the kernel would likely kill it for lack of memory in its "
+        f"first steps.\nEstimate: {est.describe()} "
         f"({shapes.rows} rows = train.micro_batch_size {shapes.micro_batch_size} x data.max_length "
         f"{shapes.max_length}; {shapes.positions} positions x vocabulary {shapes.draft_vocab}; "
         f"{shapes.trainable_params:,} trainable parameters).\n{advice}\n"
@@ -439,10 +356,6 @@ def check_training_memory(cfg: DictConfig, target_model: nn.Module, draft: Any,
     shapes = run_shapes(cfg, target_model, draft, device)
     size, source = usable if usable is not None else usable_memory(device)
     return check_memory(shapes, size, source)
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB / 10 else f"{n / 1024 ** 2:.0f} MiB"
 
 
 def check_memory_on_all_ranks(cfg: Any, target_model: Any, draft: Any, accelerator: Any) -> None:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from draftsmith.train.losses import teacher_log_probs
+from draftsmith.train.teacher_probs import teacher_log_probs
 
 
 def expected_acceptance(p: Tensor, q: Tensor, mask: Tensor) -> Tensor:

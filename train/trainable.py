@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from draftsmith.heads.blocks import DistillTarget
-from draftsmith.heads.family import DraftFamily, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import DraftFamily
 
 
 class DistillModule(nn.Module):
@@ -130,16 +131,22 @@ def _init_package(cfg: DictConfig, target, family: DraftFamily, draft_cfg: dict)
     """The draft package named by ``draft.init_from`` (training continues from it), or None.
 
     The package's head config replaces ``draft.config``; it must be of ``draft.kind``, trained for
-    this target, and fit this run's data (``DraftFamily.check_init_from``).
+    this target, and fit this run's data (``DraftFamily.check_init_from``). A draft LM may also
+    start from a model sharing the target's vocabulary (``pkg:<key>`` or a model folder, e.g.
+    the target's smaller sibling: :mod:`draftsmith.heads.foreign`).
     """
     init_from = draft_cfg.get("init_from")
     if not init_from:
         return None
+    from draftsmith.heads.foreign import is_model_source, model_as_draft
     from draftsmith.heads.package import load_package
 
+    if family.hf_model and is_model_source(init_from):
+        return model_as_draft(init_from, target)
     pkg = load_package(init_from, target=target)
-    if pkg.kind != family.name:
-        raise ValueError(f"draft.init_from={init_from} holds a '{pkg.kind}' draft, but draft.kind "
-                         f"is '{family.name}': pick the matching draft group (draft={pkg.kind})")
+    held = pkg.family.name
+    if held != family.name:
+        raise ValueError(f"draft.init_from={init_from} holds a '{held}' draft, but draft.kind "
+                         f"is '{family.name}': pick the matching draft group (draft={held})")
     family.check_init_from(pkg.head_config, draft_cfg, init_from)
     return pkg

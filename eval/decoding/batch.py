@@ -16,9 +16,9 @@ for the whole batch in which each row owns a set of valid slots (:mod:`eval.deco
 target's cache is ``padded`` (a cache row per batch row, blocks padded to the longest row) or
 ``packed`` (all rows in one cache row, only real tokens fed); the drafters' are padded.
 
-Per-row K: each row has its own :class:`~eval.decoding.stats.KController` (fixed K, fallback on), so
-a row whose drafts keep failing stops speculating (its slots of the block are padding) while the
-others go on. The block is as wide as the longest row's chain.
+Per-row K: each row has its own :class:`~eval.decoding.k_controller.KController` (fixed K,
+fallback on), so a row whose drafts keep failing stops speculating (its slots of the block are
+padding) while the others go on. The block is as wide as the longest row's chain.
 """
 from __future__ import annotations
 
@@ -28,15 +28,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
 from draftsmith.eval.decoding.decoder import DecodeResult, _Stopper
+from draftsmith.eval.decoding.k_controller import KController
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
 from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.slots import check_layout, last_valid, pad_rows, slot_cache
-from draftsmith.eval.decoding.stats import DecodeStats, KController
+from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.decoding.target_model import (
     cache_kwarg,
-    native_gqa,
     sliding_window,
     target_logits,
     tree_ancestor_mask,

@@ -4,7 +4,8 @@ for every row of a batch at once, and the EAGLE head's dynamic trees (one tree p
 Each is built from a batch-one proposer (its weights and draft vocabulary) and keeps its own
 :class:`~eval.decoding.slots.SlotCache` with each row's committed tokens; drafted slots are
 dropped after every verification, and what each row committed is fed at its next proposal.
-:func:`batch_drafter_for` picks the drafter for a proposer (the proposers do not know these).
+:func:`batch_drafter_for` finds the drafter of a proposer's family (``DraftFamily.batch_drafter``;
+the proposers do not know these).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
 from draftsmith.eval.decoding.proposers import (
     DraftLMProposer,
@@ -22,8 +24,10 @@ from draftsmith.eval.decoding.proposers import (
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.slots import SlotCache, last_valid, pad_rows
-from draftsmith.eval.decoding.target_model import cache_kwarg, native_gqa
+from draftsmith.eval.decoding.target_model import cache_kwarg
 from draftsmith.eval.decoding.tree import DynamicTree
+from draftsmith.heads.family import FAMILIES
+from draftsmith.heads.family_base import DraftFamily, load_object
 
 
 class BatchDrafter(ABC):
@@ -43,12 +47,8 @@ class BatchDrafter(ABC):
               generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
         """``logits (B, Vd)`` -> drafted target ids ``(B,)`` and ``q (B, V)`` (None: greedy,
         point masses)."""
-        if sampling.greedy:
-            return self.proposer._to_target(logits.argmax(-1)), None
-        q = sampling.warp(logits)
-        on = q if generator is None else q.to(generator.device)
-        x = torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device)
-        return self.proposer._to_target(x), self.proposer._scatter_q(q)
+        x, q = sampling.pick(logits, generator)
+        return self.proposer._to_target(x), None if q is None else self.proposer._scatter_q(q)
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling,
@@ -241,24 +241,35 @@ class BatchEagle(BatchDrafter):
         self.pending = [self.pending[i] for i in rows.tolist()]
 
 
-def batch_drafter_for(proposer: Proposer) -> BatchDrafter | None:
-    """The batched drafter that runs ``proposer``'s draft for every row (None: plain decoding).
+def family_of(proposer: Proposer) -> DraftFamily | None:
+    """The registered family whose proposer class ``proposer`` is (or derives from); None when
+    no family drafts with it (plain decoding, prompt lookup)."""
+    by_path = {f.proposer: f for f in FAMILIES.values()}
+    for cls in type(proposer).__mro__:
+        family = by_path.get(f"{cls.__module__}.{cls.__qualname__}")
+        if family is not None:
+            return family
+    return None
 
-    The one place that says which proposers batch: the draft LM's chains and the EAGLE head's
-    chains and trees (a proposer knows nothing of its batched twin).
+
+def batch_drafter_for(proposer: Proposer) -> BatchDrafter | None:
+    """The batched drafter that runs ``proposer``'s draft for every row (None: plain decoding):
+    the one its family names (``DraftFamily.batch_drafter``), trees only where the family drafts
+    them in batches (``DraftFamily.batched_tree``).
 
     Raises:
         ValueError: no batched drafter runs this proposer, or not its trees.
     """
     if isinstance(proposer, PlainProposer):
         return None
-    if isinstance(proposer, EagleProposer):
-        return BatchEagle(proposer)
-    if isinstance(proposer, DraftLMProposer):
-        if proposer.tree:
-            raise ValueError(f"batched decoding drafts trees with the EAGLE head only: use "
-                             f"tree=chain for the {proposer.kind!r} draft with batch_size > 1")
-        return BatchDraftLM(proposer)
-    raise ValueError(f"no batched drafter for the {proposer.kind!r} proposer: batch_size > 1 "
-                     "runs the draft LM, the EAGLE head or plain decoding; decode it with "
-                     "batch_size=1")
+    family = family_of(proposer)
+    if family is None or family.batch_drafter is None:
+        able = [f.name for f in FAMILIES.values() if f.batch_drafter is not None]
+        raise ValueError(f"no batched drafter for the {proposer.name!r} proposer: batch_size > 1 "
+                         f"runs the {', '.join(able)} drafts or plain decoding; decode it with "
+                         "batch_size=1")
+    if proposer.tree and not family.batched_tree:
+        able = [f.name for f in FAMILIES.values() if f.batched_tree]
+        raise ValueError(f"batched decoding drafts trees with the {', '.join(able)} drafts only: "
+                         f"use tree=chain for the {proposer.name!r} draft with batch_size > 1")
+    return load_object(family.batch_drafter)(proposer)

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from draftsmith.eval.decoding.k_controller import KController
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal, Sampling
 from draftsmith.eval.decoding.proposers import Proposer
-from draftsmith.eval.decoding.stats import DecodeStats, KController
+from draftsmith.eval.decoding.stats import DecodeStats, RoundTime
 from draftsmith.eval.decoding.target_model import Target, TargetOutput
 from draftsmith.eval.decoding.verify import (
     verify_chain,
@@ -100,6 +103,11 @@ class SpeculativeDecoder:
         self.window, self.probe_every = window, probe_every
         self.acceptance = acceptance
         self.posterior = (posterior_threshold, posterior_alpha)
+        # a list to collect every round's RoundTime (scripts/bench_rounds.py); None: off
+        self.round_log: list[RoundTime] | None = None
+        # the clock of those rounds: wall time, or the process's CPU time (time.process_time),
+        # which other processes on a shared machine do not inflate
+        self.round_clock = time.perf_counter
 
     @property
     def lossless(self) -> bool:
@@ -153,51 +161,71 @@ class SpeculativeDecoder:
             self.proposer.reset(prompt + [first], out)
             stats.draft_time_s += time.perf_counter() - t0
         ctx = DecodeContext(prompt + generated, sampling, generator)
+        log = self.round_log is not None
         while not done:
             remaining = max_new_tokens - len(generated)
             k = min(ctrl.next_k(), remaining - 1)
+            ctx.budget = remaining - 1
             # 1. propose
             t0 = time.perf_counter()
-            proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
+            c0 = self.round_clock() if log else 0.0
+            with self._phase("round.draft"):
+                proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
             t1 = time.perf_counter()
-            # 2. verify
+            c1 = self.round_clock() if log else 0.0
+            # 2. verify: the target's forward, then the acceptance rules
             n_prefix = self.target.seq_len
-            path, nxt, rows, rows_out = self._verify(proposal, ctx.tokens[-1], sampling, generator)
-            # 3. accept: commit the accepted drafts and the next token under the stop rules
-            new_tokens = [int(proposal.tokens[j]) for j in path] + [nxt]
-            for tok in new_tokens:
-                done = stopper.push(generated, tok)
-                if done:
-                    break
-            ctx.tokens = prompt + generated
-            # 4. roll back caches to the committed sequence
-            if proposal.is_chain:
-                self.target.crop(n_prefix + 1 + len(path))
-            else:
-                self.target.keep_path(n_prefix, rows)
-            t3 = time.perf_counter()
-            if not done:
-                self.proposer.accept(path, new_tokens, rows_out)
+            with self._phase("round.verify"):
+                out = self._forward(proposal, ctx.tokens[-1])
+            c2 = self.round_clock() if log else 0.0
+            with self._phase("round.bookkeeping"):
+                path, nxt, rows, rows_out = self._accept(proposal, out, sampling, generator)
+                # 3. accept: commit the accepted drafts and the next token under the stop rules
+                new_tokens = [int(proposal.tokens[j]) for j in path] + [nxt]
+                for tok in new_tokens:
+                    done = stopper.push(generated, tok)
+                    if done:
+                        break
+                ctx.tokens = prompt + generated
+                # 4. roll back caches to the committed sequence
+                if proposal.is_chain:
+                    self.target.crop(n_prefix + 1 + len(path))
+                else:
+                    self.target.keep_path(n_prefix, rows)
+                t3 = time.perf_counter()
+                if not done:
+                    self.proposer.accept(path, new_tokens, rows_out)
             t4 = time.perf_counter()
-            depth = int(proposal.depth().max()) if len(proposal) else 0
-            stats.record_step(depth, len(path))
-            stats.draft_time_s += (t1 - t0) + (t4 - t3)
-            stats.verify_time_s += t3 - t1
-            # 5. adapt K (or fall back to plain decoding)
-            if depth:
-                ctrl.tree = not proposal.is_chain
-                ctrl.record(depth, len(proposal), len(path), len(new_tokens),
-                            (t1 - t0) + (t4 - t3), t3 - t1)
-            else:
-                ctrl.record_plain(t4 - t0)
+            # 5. count the round, adapt K (or fall back to plain decoding)
+            depth = self._record_round(stats, ctrl, proposal, len(path), len(new_tokens),
+                                       ((t1 - t0) + (t4 - t3), t3 - t1, t4 - t0))
             if (not done and time_budget_s is not None
                     and time.perf_counter() - t_start > time_budget_s):
                 stopper.reason, done = "time_budget", True
+            if log:
+                self.round_log.append(RoundTime(depth, len(proposal), len(path), len(new_tokens),
+                                                c1 - c0, c2 - c1, self.round_clock() - c0))
         stats.wall_time_s = time.perf_counter() - t_start
-        stats.tokens_generated = len(generated)
-        stats.target_forwards = self.target.forwards
+        stats.tokens_generated, stats.target_forwards = len(generated), self.target.forwards
         stats.stop_reason = stopper.reason
         return DecodeResult(generated, stats.finalize())
+
+    def _record_round(self, stats: DecodeStats, ctrl: KController, proposal: Proposal,
+                      accepted: int, committed: int, times: tuple[float, float, float]) -> int:
+        """Count a round in ``stats`` and tell the K controller; ``times`` are the round's draft
+        (with bookkeeping), verify and whole seconds. Returns the proposal's depth."""
+        draft_s, verify_s, round_s = times
+        depth = int(proposal.depth().max()) if len(proposal) else 0
+        stats.record_step(depth, accepted)
+        stats.draft_time_s += draft_s
+        stats.verify_time_s += verify_s
+        if depth:
+            # a tree drafter keeps its depth: adaptive K judges chains of one drafter only
+            ctrl.tree = bool(self.proposer.tree) or not proposal.is_chain
+            ctrl.record(depth, len(proposal), accepted, committed, draft_s, verify_s)
+        else:
+            ctrl.record_plain(round_s)
+        return depth
 
     def generator(self, generator: torch.Generator | None = None,
                   seed: int | None = None) -> torch.Generator:
@@ -220,20 +248,28 @@ class SpeculativeDecoder:
             generator.manual_seed(seed)
         return generator
 
-    def _verify(self, proposal: Proposal, pending: int, sampling: Sampling,
+    def _phase(self, name: str) -> Any:
+        """A profiler scope named ``name`` while rounds are logged (``round_log``), else
+        nothing: ``scripts/bench_rounds.py`` reads the top costs of each phase from it."""
+        return nullcontext() if self.round_log is None else torch.profiler.record_function(name)
+
+    def _forward(self, proposal: Proposal, pending: int) -> TargetOutput:
+        """The target over the pending token and the drafts (row 0: after the pending token,
+        row ``j + 1``: after draft node ``j``)."""
+        fed = torch.cat([torch.tensor([pending]), proposal.tokens])  # (N+1,)
+        if proposal.is_chain:
+            return self.target.extend(fed)
+        return self.target.forward_tree(fed, torch.cat([torch.tensor([-1]),
+                                                        proposal.parents + 1]))
+
+    def _accept(self, proposal: Proposal, out: TargetOutput, sampling: Sampling,
                 generator: torch.Generator) -> tuple[list[int], int, list[int], TargetOutput]:
-        """Run the target over the pending token and the drafts, then accept.
+        """The acceptance rules over the target's rows ``out`` (:meth:`_forward`).
 
         Returns:
             ``(path, next_token, rows, rows_out)``: accepted node indices, the next token, the
             target output rows of the committed tokens (pending + accepted) and their output.
         """
-        fed = torch.cat([torch.tensor([pending]), proposal.tokens])  # (N+1,)
-        if proposal.is_chain:
-            out = self.target.extend(fed)
-        else:
-            out = self.target.forward_tree(fed, torch.cat([torch.tensor([-1]),
-                                                           proposal.parents + 1]))
         # greedy: the one-hot rules reduce to argmax matching (same result, no (N+1, V) work)
         greedy = sampling.temperature == 0 and self.acceptance == "lossless"
         p = None if greedy else sampling.warp(out.logits)  # (N+1, V)

@@ -35,6 +35,17 @@ class Sampling:
             return int(logits.argmax())
         return self.sample_with_q(logits, generator)[0]
 
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens ``(n,)`` from raw ``logits (n, V)``, kept on the device (no host transfer):
+        the argmax when greedy (``q`` None: point masses), else one draw per row from the warped
+        distribution, returned as ``q (n, V)``."""
+        if self.greedy:
+            return logits.argmax(-1), None
+        q = self.warp(logits)
+        on = q if generator is None or q.device == generator.device else q.to(generator.device)
+        return torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device), q
+
     def sample_with_q(self, logits: torch.Tensor,
                       generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
         """A token sampled from the warped distribution of raw ``logits (V,)``, and that
@@ -55,6 +66,7 @@ class DecodeContext:
     tokens: list[int]
     sampling: Sampling = field(default_factory=Sampling)
     generator: torch.Generator | None = None
+    budget: int | None = None  # the most drafts a proposal can still have committed (None: any)
 
 
 @dataclass

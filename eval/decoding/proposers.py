@@ -19,7 +19,8 @@ lookup, draft LM); EAGLE lives in :mod:`eval.decoding.proposers_eagle`, Medusa i
 :mod:`eval.decoding.proposers_medusa`, what passes between decoder and proposer (``Sampling``,
 ``DecodeContext``, ``Proposal``) in :mod:`eval.decoding.proposal` and the dynamic tree both EAGLE
 and the draft LM draft with in :mod:`eval.decoding.tree`. A batch of prompts runs a proposer's
-draft through the batched drafter :func:`eval.decoding.batch_drafters.batch_drafter_for` picks.
+draft through the batched drafter its family names (:func:`eval.decoding.batch_drafters.
+batch_drafter_for`). A family's proposer is built by :meth:`Proposer.for_draft`.
 """
 from __future__ import annotations
 
@@ -31,14 +32,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
-from draftsmith.eval.decoding.target_model import (
-    TargetOutput,
-    cache_kwarg,
-    layer_masks,
-    native_gqa,
-    new_cache,
-)
+from draftsmith.eval.decoding.target_model import TargetOutput, cache_kwarg, layer_masks, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
 
 
@@ -46,16 +42,32 @@ class Proposer:
     """Base class: the plain decoder (never drafts). Subclasses override the three calls.
 
     Class attributes:
-        kind: short name used in reports.
+        name: short name of the proposer and its mode (``lm-tree``), used in reports.
         lossless: whether the decoder's output distribution equals the target's with this proposer.
         layer_ids: target hidden-state layers the proposer needs (besides the final-norm output).
         tree: whether it drafts trees (several candidates per depth) rather than chains.
     """
 
-    kind = "plain"
+    name = "plain"
     lossless = True
     layer_ids: tuple[int, ...] = ()
     tree = False
+
+    @classmethod
+    def for_draft(cls, module: nn.Module, head_config: Any, vocab_size: int, settings: Any,
+                  vocab_ids: torch.Tensor | None = None) -> Proposer:
+        """The proposer drafting with a family's trained ``module`` (``DraftFamily.proposer``
+        names the class; ``eval.draft.build_proposer`` calls this).
+
+        Args:
+            module: the draft module, on its device and dtype, in eval mode.
+            head_config: the family's head config.
+            vocab_size: the target's vocabulary size.
+            settings: how it drafts in this run (``eval.draft.DraftSettings``: ``k``, ``tree``,
+                the tree's shape, the family's own ``options``).
+            vocab_ids: sorted target ids to draft over (None: the whole vocabulary).
+        """
+        raise NotImplementedError(f"{cls.__name__} drafts with no trained module")
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         """Start a request (see module docstring)."""
@@ -78,7 +90,7 @@ class PromptLookupProposer(Proposer):
     ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) and propose what followed it.
     Candidates are deterministic, so their ``q`` is a point mass (lossless at any temperature)."""
 
-    kind = "lookup"
+    name = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -189,7 +201,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
             (:data:`eval.decoding.tree.TREE_DRAWS`).
     """
 
-    kind = "lm"
+    name = "lm"
 
     def __init__(self, model: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
                  total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
@@ -200,7 +212,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         self.model = model
         self.vocab_size = vocab_size
         self.tree, self.topk, self.total_tokens = tree, topk, total_tokens
-        self.kind = "lm-tree" if tree else "lm"
+        self.name = "lm-tree" if tree else "lm"
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
         self._base: int | None = None  # committed length when the last proposal was drafted
@@ -278,16 +290,13 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
         committed prefix after."""
         tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
                            self._scatter_q, self.tree_draw)
-        frontier = tree.add_children(-1, root_logits)
-        for _ in range(2, depth + 1):
-            expand = tree.expand(frontier)
-            mask, pos = tree.feed(expand, self._base)
-            logits = self._forward([tree.tokens[j] for j in expand],
-                                   position_ids=pos.view(1, -1).to(self.device),
-                                   attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            frontier = []
-            for row, j in enumerate(expand):
-                frontier.extend(tree.add_children(j, logits[row]))
+
+        def forward(nodes: list[int], mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return self._forward([tree.tokens[j] for j in nodes],
+                                 position_ids=pos.view(1, -1).to(self.device),
+                                 attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
+
+        tree.grow(root_logits, depth, self._base, forward)
         self._fed_drafts = 0  # tree nodes are dropped below; accepted ones are re-fed next step
         cached = self._cached()
         if cached > self._base:

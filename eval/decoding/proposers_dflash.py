@@ -35,7 +35,7 @@ class DFlashProposer(Proposer):
         vocab_size: the target's vocabulary size.
     """
 
-    kind = "dflash"
+    name = "dflash"
 
     @classmethod
     def for_draft(cls, module: nn.Module, head_config: Any, vocab_size: int, settings: Any,

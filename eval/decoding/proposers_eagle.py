@@ -17,7 +17,7 @@ from torch import nn
 
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import DraftVocabMixin, Proposer, head_rows
-from draftsmith.eval.decoding.target_model import TargetOutput
+from draftsmith.eval.decoding.target_model import TargetOutput, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
 
 
@@ -37,14 +37,15 @@ class EagleProposer(DraftVocabMixin, Proposer):
         topk: branching factor of the dynamic tree (children per expanded node and nodes expanded
             per depth).
         total_tokens: nodes kept after the final rerank of the dynamic tree.
-        vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`) for a
-            full-vocabulary head: only these rows of the LM head are computed and ``q`` is zero
-            elsewhere (lossless, as any ``q``). None: the head's own vocabulary.
+        vocab_ids: target ids to draft over (sorted; :func:`heads.vocab.frequent_ids`): only
+            these rows of the LM head are computed (a head with a reduced vocabulary: its own
+            ids among them) and ``q`` is zero elsewhere (lossless, as any ``q``). None: the
+            head's own vocabulary.
         tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
             (:data:`~eval.decoding.tree.TREE_DRAWS`).
     """
 
-    kind = "eagle"
+    name = "eagle"
 
     def __init__(self, head: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
                  total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
@@ -66,13 +67,15 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self.d2t = None if d2t is None else d2t.long().to(self.device)
         self._sub_head: torch.Tensor | None = None
         if vocab_ids is not None:
-            if d2t is not None:
-                raise ValueError("this EAGLE head was trained with a reduced vocabulary "
-                                 f"({d2t.numel()} ids): it drafts over those; use draft_vocab=full")
             ids = torch.as_tensor(vocab_ids).long().to(self.device)
-            self._sub_head = head_rows(head.lm_head, ids, vocab_size)
-            self.d2t = ids
-        self.kind = "eagle-tree" if tree else "eagle"
+            if d2t is not None:  # a subset of the head's own draft vocabulary: its rows among ids
+                rows = torch.isin(self.d2t, ids).nonzero().flatten()
+                self._sub_head = head_rows(head.lm_head, rows, int(d2t.numel()))
+                self.d2t = self.d2t[rows]
+            else:
+                self._sub_head = head_rows(head.lm_head, ids, vocab_size)
+                self.d2t = ids
+        self.name = "eagle-tree" if tree else "eagle"
         self.cache = None
         self.n_true = 0
         self._pending_feats: list[torch.Tensor] = []
@@ -95,12 +98,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
 
     # ----- protocol --------------------------------------------------------------------------
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
-        new_cache = getattr(self.head, "new_cache", None)
-        if new_cache is None:
-            from transformers import DynamicCache
-            self.cache = DynamicCache()
-        else:
-            self.cache = new_cache()
+        self.cache = new_cache()  # preallocated (the head's layers are full-attention Llama)
         self.n_true = 0
         feats = self._features(target_out)
         self._pending_feats = [feats]
@@ -138,22 +136,19 @@ class EagleProposer(DraftVocabMixin, Proposer):
         return self._propose_chain(last, k, ctx)
 
     def _propose_chain(self, last: torch.Tensor, k: int, ctx: DecodeContext) -> Proposal:
-        drafts: list[int] = []
+        """A chain of ``k``, each draft fed back as a tensor: one host transfer at the end."""
+        drafts: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            logits = self._logits(last)[0, -1]  # (Vd,)
-            if ctx.sampling.greedy:  # point masses: no q
-                x_d = ctx.sampling.token(logits, ctx.generator)
-            else:
-                x_d, q_d = ctx.sampling.sample_with_q(logits, ctx.generator)
-                qs.append(self._scatter_q(q_d))
-            x = int(self._to_target(torch.tensor(x_d, device=self.device)))
+            x_d, q_d = ctx.sampling.pick(self._logits(last)[0], ctx.generator)  # (1,)
+            x = self._to_target(x_d)
             drafts.append(x)
+            if q_d is not None:
+                qs.append(self._scatter_q(q_d)[0])
             if i < k - 1:
-                ids = torch.tensor([[x]], dtype=torch.long, device=self.device)
                 pos = torch.tensor([[self.n_true + i]], device=self.device)
-                last = self.head(last, ids, past_key_values=self.cache, position_ids=pos)
-        return Proposal.chain(drafts, None if ctx.sampling.greedy else torch.stack(qs))
+                last = self.head(last, x.view(1, 1), past_key_values=self.cache, position_ids=pos)
+        return Proposal.chain(torch.cat(drafts).tolist(), torch.stack(qs) if qs else None)
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int,
                       ctx: DecodeContext) -> Proposal:
@@ -162,29 +157,22 @@ class EagleProposer(DraftVocabMixin, Proposer):
         it."""
         tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
                            self._scatter_q, self.tree_draw)
+        root = root_hidden[0, 0]  # (H,)
         hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
 
-        def logits_of(hidden: torch.Tensor) -> torch.Tensor:
-            """``(n, H)`` head outputs -> ``(n, Vd)`` logits, one LM-head call for all rows."""
-            return self._logits(hidden.unsqueeze(0))[0]
-
-        frontier = tree.add_children(-1, logits_of(root_hidden[0])[0])
-        for _ in range(2, depth + 1):
-            expand = tree.expand(frontier)
-            feats = torch.stack([root_hidden[0, 0] if tree.parents[j] < 0
-                                 else hidden_of[tree.parents[j]]
-                                 for j in expand]).unsqueeze(0)  # (1, n, H)
-            ids = torch.tensor([[tree.tokens[j] for j in expand]], dtype=torch.long,
+        def forward(nodes: list[int], mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            feats = torch.stack([root if tree.parents[j] < 0 else hidden_of[tree.parents[j]]
+                                 for j in nodes]).unsqueeze(0)  # (1, n, H)
+            ids = torch.tensor([[tree.tokens[j] for j in nodes]], dtype=torch.long,
                                device=self.device)
-            mask, pos = tree.feed(expand, self.n_true)
             out = self.head(feats, ids, past_key_values=self.cache,  # (1, n, H)
                             position_ids=pos.view(1, -1).to(self.device),
                             attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            logits = logits_of(out[0])  # (n, Vd)
-            frontier = []
-            for row, j in enumerate(expand):
+            for row, j in enumerate(nodes):
                 hidden_of[j] = out[0, row]
-                frontier.extend(tree.add_children(j, logits[row]))
+            return self._logits(out)[0]  # (n, Vd), one LM-head call for all rows
+
+        tree.grow(self._logits(root_hidden)[0, 0], depth, self.n_true, forward)
         cached = int(self.cache.get_seq_length())
         if cached > self.n_true:
             self.cache.crop(self.n_true - cached)

@@ -42,14 +42,14 @@ class MedusaProposer(Proposer):
         ValueError: the heads share the target's LM head and it is not attached.
     """
 
-    kind = "medusa"
+    name = "medusa"
 
     @classmethod
     def for_draft(cls, heads: nn.Module, head_config: Any, vocab_size: int, settings: Any,
                   vocab_ids: torch.Tensor | None = None) -> MedusaProposer:
-        """Medusa heads drafting the static tree of ``settings.medusa_branching``, or a chain
-        (one candidate per head) when ``settings.tree`` is off."""
-        branching = (settings.medusa_branching if settings.tree
+        """Medusa heads drafting the static tree of ``settings.options["medusa_branching"]``, or a
+        chain (one candidate per head) when ``settings.tree`` is off."""
+        branching = (settings.options["medusa_branching"] if settings.tree
                      else [1] * int(head_config.num_heads))
         return cls(heads, vocab_size, medusa_choices(list(branching)))
 

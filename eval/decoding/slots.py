@@ -27,8 +27,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-
-from draftsmith.eval.decoding.target_model import new_cache
+from transformers import DynamicCache
 
 LAYOUTS = ("padded", "packed")
 
@@ -44,7 +43,7 @@ class SlotCache:
     """
 
     def __init__(self, config: object, batch: int, device: torch.device) -> None:
-        self.cache = new_cache()
+        self.cache = DynamicCache()  # every layer keeps all positions (windows: by masks)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
     @property
@@ -142,7 +141,7 @@ class PackedSlotCache:
     blocks of the ``N`` real tokens (row by row, in order)."""
 
     def __init__(self, config: object, batch: int, device: torch.device) -> None:
-        self.cache = new_cache()
+        self.cache = DynamicCache()  # every layer keeps all positions (windows: by masks)
         self.batch = batch
         self.owner = torch.zeros(0, dtype=torch.long, device=device)
 
@@ -228,7 +227,6 @@ def last_valid(x: Tensor, valid: Tensor) -> Tensor:
     """``x (B, T, ...)`` at each row's last valid position -> ``(B, ...)``."""
     idx = valid.long().sum(1) - 1
     return x[torch.arange(x.shape[0], device=x.device), idx.to(x.device)]
-
 
 
 def check_layout(layout: str, name: str = "layout") -> str:

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from draftsmith.data.attention import native_gqa
+from draftsmith.eval.decoding.kv_cache import SlabCache
 from draftsmith.heads.draft_config import check_attention_layers, text_config
 
 
@@ -23,7 +24,9 @@ class TargetOutput:
     """What one target forward returns, for the ``T`` tokens it was fed (batch dim removed).
 
     Attributes:
-        logits: ``(T, V)`` next-token logits at each fed position.
+        logits: ``(R, V)`` next-token logits at the last ``R`` fed positions, in the model's
+            dtype (``R = T``, except after :meth:`Target.prefill`: ``R = 1``, the last prompt
+            position, the only one read). Sampling warps them in float32; an argmax needs no copy.
         hidden: ``(T, H)`` final-norm hidden states (the LM head's input).
         layers: ``(L, T, H)`` hidden states of the requested layer ids (``hidden_states[i]``,
             0 = embeddings), or ``None`` when none were requested.
@@ -34,14 +37,16 @@ class TargetOutput:
     layers: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> TargetOutput:
-        """The same output restricted to ``rows`` (positions)."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.logits.device)
+        """The same output restricted to ``rows`` (positions; logits of rows that have them)."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.hidden.device)
+        skip = self.hidden.shape[0] - self.logits.shape[0]  # rows without logits (a prefill)
         layers = None if self.layers is None else self.layers[:, idx]
-        return TargetOutput(self.logits[idx], self.hidden[idx], layers)
+        logit_idx = idx[idx >= skip] - skip if skip else idx
+        return TargetOutput(self.logits[logit_idx], self.hidden[idx], layers)
 
 
 class Target:
-    """A HF causal LM with a :class:`~transformers.DynamicCache`, batch size one.
+    """A HF causal LM with a preallocated KV cache (:func:`new_cache`), batch size one.
 
     Any standard transformers causal LM works through its own attention and cache classes:
     Llama, Qwen 2/3, Mistral, Phi-3, Gemma 2/3 (sliding-window and full-attention layers, scaled
@@ -70,10 +75,11 @@ class Target:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.device = next(model.parameters()).device
-        self.cache: DynamicCache | None = None
+        self.cache: SlabCache | None = None
         self.forwards = 0
         self._cache_kw = cache_kwarg(model.model)
         self._softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
+        self._ones_block = torch.ones(0, 0, dtype=torch.bool)
 
     @property
     def vocab_size(self) -> int:
@@ -85,13 +91,17 @@ class Target:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     def reset(self) -> None:
-        """Drop the cache (start of a new request)."""
-        self.cache = new_cache()
+        """Empty the cache (start of a new request; its buffers are kept)."""
+        if self.cache is None:
+            self.cache = new_cache()
+        else:
+            self.cache.crop(-self.seq_len)
         self.forwards = 0
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None) -> TargetOutput:
+                 attention_mask: torch.Tensor | None = None,
+                 last_only: bool = False) -> TargetOutput:
         if self.cache is None:
             self.reset()
         ids = ids.to(self.device).long().view(1, -1)  # (1, T)
@@ -103,13 +113,16 @@ class Target:
             out = self.model.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True,
                                    position_ids=position_ids, attention_mask=attention_mask,
                                    output_hidden_states=want_layers)
-        hidden = out.last_hidden_state  # (1, T, H), final-norm output
-        logits = target_logits(self.model, hidden, self._softcap)  # (1, T, V)
+        hidden = out.last_hidden_state[0]  # (T, H), final-norm output
+        # a fresh (1, H) row for a prefill's last position: a strided view takes torch's slow
+        # CPU bf16 path for the LM head
+        rows = hidden[-1:].contiguous() if last_only else hidden
+        logits = target_logits(self.model, rows, self._softcap)  # (R, V), the model's dtype
         layers = None
         if want_layers:
             layers = torch.stack([out.hidden_states[i][0] for i in self.layer_ids])  # (L, T, H)
         self.forwards += 1
-        return TargetOutput(logits[0].float(), hidden[0], layers)
+        return TargetOutput(logits, hidden, layers)
 
     def prefill(self, prompt_ids: torch.Tensor) -> TargetOutput:
         """Reset the cache and feed the prompt.
@@ -118,13 +131,14 @@ class Target:
             prompt_ids: ``(T,)`` token ids, ``T >= 1``.
 
         Returns:
-            :class:`TargetOutput` for all prompt positions.
+            :class:`TargetOutput` for all prompt positions (logits of the last one only).
         """
         if prompt_ids.numel() == 0:
             raise ValueError("prompt_ids is empty: the target needs at least one token to "
                              "condition on")
         self.reset()
-        return self._forward(prompt_ids)
+        self.cache.reserve(prompt_ids.numel() + RESERVE)
+        return self._forward(prompt_ids, last_only=True)
 
     def extend(self, token_ids: torch.Tensor) -> TargetOutput:
         """Feed ``K`` tokens after the cached ones (a chain; positions continue the sequence).
@@ -150,12 +164,21 @@ class Target:
         n = int(token_ids.shape[0])
         anc = tree_ancestor_mask(parents)  # (N, N) True where column is ancestor-or-self of row
         past = self.seq_len
-        mask = torch.ones(n, past + n, dtype=torch.bool)
-        mask[:, past:] = anc
+        mask = torch.cat([self._ones(n, past), anc], dim=1)  # (N, past + N)
         depth = anc.sum(-1)  # (N,) depth of each node (1 for children of the root)
         pos = (past + depth - 1).view(1, -1).to(self.device)
         return self._forward(token_ids, position_ids=pos,
                              attention_mask=mask.view(1, 1, n, past + n).to(self.device))
+
+    def _ones(self, rows: int, cols: int) -> torch.Tensor:
+        """An all-True ``(rows, cols)`` view of a block kept between calls (a tree mask's
+        cached part: only the block's own columns change)."""
+        have = self._ones_block
+        if have.shape[0] < rows or have.shape[1] < cols:
+            have = torch.ones(max(rows, 2 * have.shape[0]), max(cols, 2 * have.shape[1]),
+                              dtype=torch.bool)
+            self._ones_block = have
+        return have[:rows, :cols]
 
     def crop(self, n_keep: int) -> None:
         """Keep only the first ``n_keep`` cached tokens."""
@@ -177,23 +200,20 @@ class Target:
         if any(k >= self.seq_len for k in src):
             raise ValueError(f"keep_path indices {list(indices)} exceed the cached tree block "
                              f"(cache has {self.seq_len} tokens, prefix {n_prefix})")
-        # move the accepted entries right after the prefix, then crop: O(path), not O(context)
-        moved = [(d, s) for d, s in enumerate(src, start=n_prefix) if d != s]
-        if moved:
-            dst_idx = torch.tensor([d for d, _ in moved], device=self.device)
-            src_idx = torch.tensor([s for _, s in moved], device=self.device)
-            for layer in self.cache.layers:
-                for t in (layer.keys, layer.values):  # (B, heads, T, d)
-                    t[:, :, dst_idx] = t[:, :, src_idx]
-        self.crop(n_prefix + len(src))
+        # move the accepted entries right after the prefix (one gather per layer), then crop
+        self.cache.keep(n_prefix, src)
 
 
-def new_cache() -> DynamicCache:
-    """A cache whose every layer keeps all positions, sliding-window layers included, so that
-    index ``i`` of every layer holds position ``i`` of the committed sequence and crops and path
-    keeps are index operations; windows are applied by the attention masks instead (a
-    sliding-window layer of transformers' own cache drops old entries and cannot be cropped)."""
-    return DynamicCache()
+RESERVE = 1024  # cache positions reserved after a prompt (more grow the buffers)
+
+
+def new_cache() -> SlabCache:
+    """A preallocated cache (:class:`~eval.decoding.kv_cache.SlabCache`) whose every layer keeps
+    all positions, sliding-window layers included, so that index ``i`` of every layer holds
+    position ``i`` of the committed sequence and crops and path keeps are index operations;
+    windows are applied by the attention masks instead (a sliding-window layer of transformers'
+    own cache drops old entries and cannot be cropped)."""
+    return SlabCache()
 
 
 def check_target_structure(model: torch.nn.Module) -> None:
@@ -280,7 +300,8 @@ def layer_masks(config, allowed: torch.Tensor, position_ids: torch.Tensor | None
 
 
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """Ancestor-or-self matrix of a topologically ordered tree.
+    """Ancestor-or-self matrix of a topologically ordered tree, by tensor ops: one step per
+    level (each step ORs in the rows of the parents' parents' ...).
 
     Args:
         parents: ``(N,)`` parent indices, ``-1`` for roots, ``parents[j] < j``.
@@ -288,13 +309,17 @@ def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     Returns:
         ``(N, N)`` bool, ``[i, j]`` True when node ``j`` is ``i`` or one of its ancestors.
     """
+    parents = parents.long().cpu()
     n = int(parents.shape[0])
+    idx = torch.arange(n)
+    if n and bool((parents >= idx).any()):
+        raise ValueError("tree nodes must be topologically ordered (parents[j] < j)")
     anc = torch.eye(n, dtype=torch.bool)
-    for j, par in enumerate(parents.tolist()):
-        if par >= j:
-            raise ValueError("tree nodes must be topologically ordered (parents[j] < j)")
-        if par >= 0:
-            anc[j] |= anc[par]
+    up = parents  # each node's ancestor `step` levels up (-1: none)
+    while n and bool((up >= 0).any()):
+        has = up >= 0
+        anc[idx[has], up[has]] = True
+        up = torch.where(has, parents[up.clamp(min=0)], up)
     return anc
 
 

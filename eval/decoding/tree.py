@@ -1,9 +1,9 @@
-"""The EAGLE-2 dynamic draft tree's bookkeeping, shared by the EAGLE head and the draft LM
-(:mod:`eval.decoding.proposers`, :mod:`eval.decoding.proposers_eagle`); the drafter's forward
-stays with them."""
+"""The EAGLE-2 dynamic draft tree, shared by the EAGLE head and the draft LM
+(:mod:`eval.decoding.proposers`, :mod:`eval.decoding.proposers_eagle`): its bookkeeping and its
+drafting loop (:meth:`DynamicTree.grow`); the drafter's forward stays with them."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -72,16 +72,14 @@ class DynamicTree:
         self.parents: list[int] = []
         self.depths: list[int] = []
         self.fed: list[int] = []  # nodes fed to the drafter, in its cache order
+        self.fed_row: dict[int, int] = {}  # node -> its index in ``fed``
+        self.fed_anc = torch.zeros(0, 0, dtype=torch.bool)  # (F, F) fed ancestor-or-self
         self.children: dict[int, list[int]] = {}  # parent -> children in draw order
         self.q_of: dict[int, torch.Tensor] = {}  # sampled: parent -> warped draft q (Vd,)
         self.kept: list[int] = []  # the last proposal's nodes, in its order
 
     def _draw(self, parent: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The children's drafter ids (in draw order) and their log-probs under the draft."""
-        if not self.sampled:
-            top = torch.topk(torch.log_softmax(logits, dim=-1),
-                             min(self.topk, logits.shape[-1]))
-            return top.indices, top.values
+        """Sampled decodes: the children's drafter ids (in draw order) and their log-probs."""
         q = self.sampling.warp(logits)  # (Vd,) float32
         self.q_of[parent] = q
         n = min(self.topk, int((q > 0).sum()))
@@ -95,20 +93,48 @@ class DynamicTree:
     def add_children(self, parent: int, logits: torch.Tensor) -> list[int]:
         """Add ``topk`` children of ``parent`` (``-1`` = the committed sequence) from the
         drafter's raw ``logits (Vd,)`` after it; returns their node indices."""
-        picks, logp = self._draw(parent, logits)
-        ids = picks if self.to_target is None else self.to_target(picks)
-        base = self.scores[parent] if parent >= 0 else 0.0
-        depth = self.depths[parent] + 1 if parent >= 0 else 1
-        new = []
-        for lp, did, tid in zip(logp.tolist(), picks.tolist(), ids.tolist()):
-            new.append(len(self.tokens))
-            self.tokens.append(int(tid))
-            self.draft_ids.append(int(did))
-            self.scores.append(base + lp)
-            self.parents.append(parent)
-            self.depths.append(depth)
-        self.children[parent] = new
+        return self.add_children_batch([parent], logits.unsqueeze(0))
+
+    def add_children_batch(self, parents: Sequence[int], logits: torch.Tensor) -> list[int]:
+        """Add ``topk`` children to each of ``parents`` from the drafter's raw ``logits (n, Vd)``
+        (row ``i`` after ``parents[i]``): one log-softmax and one top-k for all rows when the
+        children are the top-k, one host transfer; returns the new nodes, parent by parent."""
+        if self.sampled:
+            drawn = [self._draw(par, row) for par, row in zip(parents, logits)]
+            picks = [d[0] for d in drawn]
+            ids = [p if self.to_target is None else self.to_target(p) for p in picks]
+            rows = [(lp.tolist(), pk.tolist(), tid.tolist())
+                    for (_, lp), pk, tid in zip(drawn, picks, ids)]
+        else:
+            top = torch.topk(torch.log_softmax(logits.float(), dim=-1),
+                             min(self.topk, logits.shape[-1]), dim=-1)  # (n, k)
+            ids = top.indices if self.to_target is None else self.to_target(top.indices)
+            rows = list(zip(top.values.tolist(), top.indices.tolist(), ids.tolist()))
+        new: list[int] = []
+        for parent, (logp, picks_d, picks_t) in zip(parents, rows):
+            base = self.scores[parent] if parent >= 0 else 0.0
+            depth = self.depths[parent] + 1 if parent >= 0 else 1
+            first = len(self.tokens)
+            self.tokens.extend(int(t) for t in picks_t)
+            self.draft_ids.extend(int(d) for d in picks_d)
+            self.scores.extend(base + lp for lp in logp)
+            self.parents.extend([parent] * len(logp))
+            self.depths.extend([depth] * len(logp))
+            self.children[parent] = list(range(first, len(self.tokens)))
+            new.extend(self.children[parent])
         return new
+
+    def grow(self, root_logits: torch.Tensor, depth: int, n_cached: int,
+             forward: Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Draft the tree ``depth`` deep: the root's children from ``root_logits (Vd,)``, then
+        per further depth the best frontier nodes fed to the drafter in one forward,
+        ``forward(nodes, mask, pos) -> (len(nodes), Vd)`` logits after each (``mask`` and
+        ``pos`` from :meth:`feed`, the drafter holding ``n_cached`` committed entries)."""
+        frontier = self.add_children(-1, root_logits)
+        for _ in range(2, depth + 1):
+            expand = self.expand(frontier)
+            mask, pos = self.feed(expand, n_cached)
+            frontier = self.add_children_batch(expand, forward(expand, mask, pos))
 
     def expand(self, frontier: list[int]) -> list[int]:
         """The ``k`` frontier nodes with the best cumulative score (to feed next)."""
@@ -117,17 +143,25 @@ class DynamicTree:
     def feed(self, nodes: list[int], n_cached: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``nodes`` as fed after the drafter's ``n_cached`` committed entries and the nodes
         fed before; returns their attention mask ``(n, n_cached + fed)`` (bool: the committed
-        prefix, fed ancestors, self) and position ids ``(n,)`` (``n_cached + depth - 1``)."""
+        prefix, fed ancestors, self) and position ids ``(n,)`` (``n_cached + depth - 1``).
+        A fed node's parent was fed before it (only fed nodes get children), so a row is its
+        parent's row of the fed-ancestry matrix plus itself."""
+        f0, m = len(self.fed), len(nodes)
+        par = torch.tensor([self.fed_row.get(self.parents[j], -1) for j in nodes],
+                           dtype=torch.long)
+        rows = torch.zeros(m, f0 + m, dtype=torch.bool)
+        has = par >= 0
+        if bool(has.any()):
+            rows[has, :f0] = self.fed_anc[par[has]]
+        rows[:, f0:] = torch.eye(m, dtype=torch.bool)
+        anc = torch.zeros(f0 + m, f0 + m, dtype=torch.bool)
+        anc[:f0, :f0] = self.fed_anc
+        anc[f0:] = rows
+        self.fed_anc = anc
+        for i, j in enumerate(nodes):
+            self.fed_row[j] = f0 + i
         self.fed.extend(nodes)
-        fed_pos = {node: i for i, node in enumerate(self.fed)}
-        mask = torch.zeros(len(nodes), n_cached + len(self.fed), dtype=torch.bool)
-        mask[:, :n_cached] = True
-        for row, j in enumerate(nodes):
-            node = j
-            while node >= 0:
-                if node in fed_pos:
-                    mask[row, n_cached + fed_pos[node]] = True
-                node = self.parents[node]
+        mask = torch.cat([torch.ones(m, n_cached, dtype=torch.bool), rows], dim=1)
         pos = torch.tensor([n_cached + self.depths[j] - 1 for j in nodes], dtype=torch.long)
         return mask, pos
 

@@ -9,8 +9,9 @@ import torch
 from conftest import make_tiny_target
 
 from draftsmith.data import features
+from draftsmith.data.cache_spec import FeatureCacheError
 from draftsmith.data.feature_data import FeatureDataset
-from draftsmith.data.features import FeatureCacheError, build_feature_cache, probe_cache_dtype
+from draftsmith.data.features import build_feature_cache, probe_cache_dtype
 
 
 def rows(n: int = 6, vocab: int = 96) -> list[dict]:
@@ -56,7 +57,7 @@ def test_auto_caches_bfloat16_where_float16_overflows(tmp_path, caplog):
     target = loud_target()
     with pytest.raises(FeatureCacheError, match="'hidden' overflows torch.float16"):
         build_feature_cache(target, rows(), tmp_path / "fp16", dtype="float16", progress=False)
-    with caplog.at_level("INFO", logger="draftsmith.data.features"):
+    with caplog.at_level("INFO", logger="draftsmith.data.cache_spec"):
         man = build_feature_cache(target, rows(), tmp_path / "auto", dtype="auto",
                                   shard_size=4, progress=False)
     assert "feature cache dtype auto: bfloat16" in caplog.text

@@ -9,14 +9,16 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
+from draftsmith.data.cache_spec import FeatureCacheError
 from draftsmith.data.feature_data import (
     FeatureDataset,
     collate_features,
     read_manifest,
     verify_cache,
 )
-from draftsmith.data.features import FeatureCacheError, build_feature_cache, teacher_logits
+from draftsmith.data.features import build_feature_cache
 from draftsmith.data.identity import TargetMismatchError
+from draftsmith.data.teacher import teacher_logits
 
 
 def make_rows(n: int = 11, vocab: int = 96, seed: int = 0) -> list[dict]:
@@ -270,7 +272,6 @@ def test_prepare_data_builds_then_reuses_caches(tmp_path):
         prepare_data(cfg, target, tmp_path / "out")
 
 
-
 def test_prepare_data_regenerates_every_split_in_shared_batches(tmp_path, monkeypatch):
     """data.regenerate: train and val replies come from one regeneration run (a small val split
     does not pay a generation of its own), each split's replies in its own file, and the caches
@@ -362,7 +363,7 @@ def test_the_final_hidden_state_is_recomputed_from_a_cached_layer(start):
     """final_from_layer(hidden_states[L]) is the model's own final-norm output for every L, on
     right-padded rows (padding after a row's tokens does not reach them); starting one layer
     late (hidden_states[L] fed to layers L+1..) gives other numbers."""
-    from draftsmith.data.features import final_from_layer
+    from draftsmith.data.final_layer import final_from_layer
 
     model = make_tiny_target(layers=4).model.float()
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -417,7 +418,7 @@ def test_the_storage_estimate_is_within_one_percent_of_the_cache_it_builds(tmp_p
     import logging
 
     rows = _long_rows(24, 300)
-    with caplog.at_level(logging.INFO, logger="draftsmith.data.features"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.data.cache_spec"):
         man = build_feature_cache(tiny_target, rows, tmp_path / "c", layers=[1], shard_size=8,
                                   progress=False)
     line = next(r.getMessage() for r in caplog.records if "bytes per token" in r.getMessage())

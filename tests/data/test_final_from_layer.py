@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask
 
-from draftsmith.data.features import final_from_layer, layer_types
+from draftsmith.data.final_layer import final_from_layer, layer_types
 
 SHAPE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 256}

@@ -203,7 +203,8 @@ def test_real_gemma_target(tmp_path):
     across its sliding-window and full-attention layers on a sequence longer than the window."""
     from transformers import Gemma3ForCausalLM
 
-    from draftsmith.data.features import final_from_layer, probe_cache_dtype
+    from draftsmith.data.features import probe_cache_dtype
+    from draftsmith.data.final_layer import final_from_layer
 
     t = load_target("pkg:gemma3_270m")
     assert isinstance(t.model, Gemma3ForCausalLM) and t.chat_format == "plain"

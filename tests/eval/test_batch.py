@@ -120,8 +120,8 @@ def test_packed_cache_masks_positions_keep_and_select():
 def test_fallen_back_rows_feed_one_token_when_packed(target_model, layout, monkeypatch):
     # row 1's drafts are always wrong: it falls back while row 0 goes on speculating at K = 3;
     # packed, its verification slot is one token (the block has 4 + 1), padded it is 4 (4 + 4)
-    from draftsmith.eval.decoding.stats import KController
-    from draftsmith.scripts.bench_batch import Hostile
+    from draftsmith.eval.decoding.k_controller import KController
+    from draftsmith.scripts.bench_mixed import Hostile
 
     class Untimed(KController):  # the fallback test on tokens per step alone, not timings
         def is_loss(self) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.eval import report
+from draftsmith.eval import report, report_rows
 from draftsmith.eval.decoding.cost import (
     Costs,
     best_k,
@@ -21,7 +21,6 @@ from draftsmith.eval.decoding.cost import (
 )
 from draftsmith.eval.decoding.proposers import DraftLMProposer
 from draftsmith.eval.decoding.target_model import Target
-from draftsmith.eval.kstar import choose_kstar as kstar_choose_kstar
 from draftsmith.eval.kstar import measure_speculation
 from tests.conftest import tiny_llama
 
@@ -88,7 +87,7 @@ def test_parse_costs_one_spelling():
 def speculation_record(alpha: list[float], t_ar: float, t_draft: float,
                        t_verify: dict[int, float], temperature: float = 0.0) -> dict:
     """A speculation.json as eval/kstar.measure_speculation shapes it (string keys, via JSON)."""
-    k_star, sp = kstar_choose_kstar(alpha, Costs(t_ar, t_draft, t_verify))
+    k_star, sp = choose_kstar(alpha, Costs(t_ar, t_draft, t_verify))
     rec = {"k_star": k_star, "expected_speedup": {str(k): v for k, v in sp.items()},
            "alpha": alpha, "measured": {"k": 8, "temperature": temperature},
            "costs": {"t_ar": t_ar, "t_draft": t_draft,
@@ -108,7 +107,7 @@ def measured_expectation(spec: dict, ks) -> dict[int, float]:
 
 
 def test_report_prediction_equals_measure_expectation():
-    pred = report.predicted_speedup(SPEC, range(1, 9), temperature=0.0)
+    pred = report_rows.predicted_speedup(SPEC, range(1, 9), temperature=0.0)
     assert list(pred) == [1, 2, 3]
     assert pred == measured_expectation(SPEC, range(1, 9))  # exactly, not approximately
     assert best_k({0: 1.0, **pred}) == SPEC["k_star"]
@@ -120,11 +119,11 @@ def test_report_prediction_equals_measure_expectation():
 
 
 def test_report_prediction_needs_alpha_costs_and_the_measured_temperature():
-    assert report.predicted_speedup(SPEC, [1, 2], temperature=1.0) == {}
-    assert report.predicted_speedup({**SPEC, "alpha": []}, [1, 2]) == {}
-    assert report.predicted_speedup({"alpha": [0.5]}, [1]) == {}
-    assert report.predicted_speedup(None, [1]) == {}
-    assert report.predicted_speedup(SPEC, [1, 2], temperature=None) == measured_expectation(
+    assert report_rows.predicted_speedup(SPEC, [1, 2], temperature=1.0) == {}
+    assert report_rows.predicted_speedup({**SPEC, "alpha": []}, [1, 2]) == {}
+    assert report_rows.predicted_speedup({"alpha": [0.5]}, [1]) == {}
+    assert report_rows.predicted_speedup(None, [1]) == {}
+    assert report_rows.predicted_speedup(SPEC, [1, 2], temperature=None) == measured_expectation(
         SPEC, [1, 2])
 
 
@@ -180,5 +179,5 @@ def test_measured_record_and_report_agree_on_a_tiny_model():
     sp = expected_speedups(rec["alpha"], costs)
     assert {str(k): v for k, v in sp.items()} == rec["expected_speedup"]
     assert choose_kstar(rec["alpha"], costs)[0] == rec["k_star"]
-    pred = report.predicted_speedup(rec, range(1, 4), temperature=0.0)
+    pred = report_rows.predicted_speedup(rec, range(1, 4), temperature=0.0)
     assert pred == measured_expectation(rec, range(1, 4)) and list(pred) == [1, 2, 3]

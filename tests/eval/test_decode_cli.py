@@ -11,9 +11,10 @@ import torch
 from conftest import QUESTIONS, draft_package
 
 from draftsmith.eval import decode, measure
+from draftsmith.eval.decoding.cost import parse_costs
 from draftsmith.eval.draft import settle
-from draftsmith.eval.report import parse_costs
-from draftsmith.heads.package import PackageIntegrityError, load_package, update_package_json
+from draftsmith.heads.manifest import PackageIntegrityError
+from draftsmith.heads.package import load_package, update_package_json
 from draftsmith.scripts.export import export_package
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,10 +104,10 @@ def test_measure_writes_a_verified_speculation_json_that_decode_uses(decode_setu
     update_package_json(pkg, "speculation.json", {**on_disk, "k_star": 2})  # whatever K* says
     summary = _decode(decode_setup, pkg, "limit=1", "baseline=false")["summary"]
     assert (summary["k"], summary["k_source"]) == (2, "speculation.json")
-    # a K* measured in another dtype is not this run's K*
+    # a K* measured in another dtype is the nearest record, and said so
     summary = _decode(decode_setup, pkg, "limit=1", "baseline=false", "dtype=bfloat16")["summary"]
-    assert summary["k"] == 4
-    assert summary["k_source"] == "default (K* in speculation.json is for float32)"
+    assert summary["k"] == 2
+    assert summary["k_source"] == "speculation.json (float32's record: nearest measured)"
     (pkg / "speculation.json").write_text(json.dumps({**on_disk, "k_star": 5}))  # not via update
     with pytest.raises(PackageIntegrityError, match="speculation.json"):
         _decode(decode_setup, pkg, "limit=1")
@@ -117,8 +118,9 @@ def test_an_export_decodes_like_its_package(decode_setup, kind):
     pkg, fmt = draft_package(decode_setup, kind)
     out = export_package(pkg, fmt, decode_setup["root"] / f"export-{kind}",
                          target=decode_setup["loaded"])
+    # suffix=false: the hybrid's per-round choice follows measured times, as adaptive K does
     runs = [_decode(decode_setup, d, "k=3", "adaptive_k=false", "fallback=false", "baseline=false",
-                    "tree_topk=3", "tree_size=10") for d in (pkg, out)]
+                    "tree_topk=3", "tree_size=10", "suffix=false") for d in (pkg, out)]
     a, b = runs
     assert a["summary"]["drafted"] > 0  # the draft really proposed
     assert a["summary"]["draft_kind"] == b["summary"]["draft_kind"]
@@ -216,10 +218,10 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(decode_setup, tmp_path):
         "summary"]["k_source"] != "speculation.json (tree)"
     medusa = load_package(pkg)
     plan = settle({**PLAN, "dtype": "float32"}, medusa)
-    assert (list(plan.medusa_branching), plan.k_source) == (tree["branching"],
+    assert (list(plan.options["medusa_branching"]), plan.k_source) == (tree["branching"],
                                                             "speculation.json (tree)")
     plan = settle({**PLAN, "dtype": "bfloat16"}, medusa)  # measured in another dtype
-    assert (plan.medusa_branching, plan.k_source[:7]) == ((4, 2, 2, 1), "default")
+    assert (plan.options["medusa_branching"], plan.k_source[:7]) == ((4, 2, 2, 1), "default")
     # K* = 0 and the best tree a loss too: the default is plain decoding
     update_package_json(pkg, "speculation.json", {**rec, "k_star": 0,
                                                   "tree": {**tree, "speedup": 0.9}})
@@ -307,15 +309,13 @@ def test_bad_draft_vocab_values_are_refused(decode_setup):
         _decode(decode_setup, pkg, "limit=1", "draft_vocab=40")
 
 
-
-
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, tmp_path, kind):
     import shutil
 
     path, _ = draft_package(decode_setup, kind)
     alone = _decode(decode_setup, path, "k=3", "limit=3", "adaptive_k=false", "fallback=false",
-                    "tree=chain")
+                    "tree=chain", "suffix=false")  # batches draft the package alone
     batched = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false")
     packed = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false",
                      "batch_layout=packed")
@@ -359,7 +359,7 @@ def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, t
 def test_batched_eagle_trees_decode_like_batch_one(decode_setup):
     path, _ = draft_package(decode_setup, "eagle")
     opts = ("k=3", "limit=3", "fallback=false", "tree=tree", "tree_size=8", "tree_topk=3")
-    alone = _decode(decode_setup, path, *opts, "adaptive_k=false")
+    alone = _decode(decode_setup, path, *opts, "adaptive_k=false", "suffix=false")
     batched = _decode(decode_setup, path, *opts, "batch_size=2")
     assert batched["summary"]["tree"] is True and batched["summary"]["tree_size"] == 8
     assert [s["output_ids"] for s in batched["samples"]] == [

@@ -18,6 +18,7 @@ from draftsmith.eval.decoding.proposers import (
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
+from draftsmith.eval.decoding.proposers_suffix import SuffixIndex, SuffixProposer
 from draftsmith.eval.decoding.target_model import Target
 from tests.conftest import tiny_llama
 
@@ -91,11 +92,18 @@ def make_proposer(name: str, model):
         return EagleProposer(head, VOCAB, tree=name == "eagle-tree", topk=3, total_tokens=10)
     if name == "oracle-tree":
         return OracleTree(model)
+    if name == "suffix":
+        return SuffixProposer()
+    if name.endswith(("+suffix", "+suffix-auto")):  # the hybrids
+        inner, _, mode = name.partition("+")
+        return SuffixProposer(make_proposer(inner, model), VOCAB,
+                              mode="auto" if mode.endswith("auto") else "merge")
     raise ValueError(name)
 
 
 ALL = ["plain", "lookup", "lm-self", "lm-other", "lm-tree", "medusa", "eagle", "eagle-tree",
-       "oracle-tree"]
+       "oracle-tree", "suffix", "lm-other+suffix", "eagle+suffix", "eagle-tree+suffix",
+       "lm-tree+suffix", "medusa+suffix", "eagle-tree+suffix-auto"]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -345,3 +353,48 @@ def test_a_generator_on_another_device_is_refused(target_model):
     dec = SpeculativeDecoder(target_model, PlainProposer(), k=0)
     with pytest.raises(ValueError, match=r"generator is on cuda:0 but the target on cpu"):
         dec.generate(PROMPTS[0], 4, temperature=1.0, generator=CudaGenerator())
+
+
+def _latest_earlier_match(seq: list[int]) -> tuple[int, int]:
+    """The longest suffix of ``seq`` that also ends earlier, and its latest earlier end: by a
+    scan (what :class:`SuffixIndex` answers without one)."""
+    n = len(seq)
+    for m in range(n - 1, 0, -1):
+        ends = [e for e in range(m - 1, n - 1) if seq[e - m + 1:e + 1] == seq[n - m:]]
+        if ends:
+            return m, max(ends)
+    return 0, -1
+
+
+def test_suffix_index_answers_as_a_scan_does():
+    gen = torch.Generator().manual_seed(0)
+    for vocab, n in ((2, 60), (3, 80), (40, 120)):
+        seq = torch.randint(vocab, (n,), generator=gen).tolist()
+        index = SuffixIndex()
+        for i, tok in enumerate(seq):
+            index.append(tok)
+            assert index.match() == _latest_earlier_match(seq[:i + 1]), (vocab, i)
+    index = SuffixIndex([5, 6, 7, 8, 1, 5, 6, 7])
+    assert index.continuation(3) == (3, [8, 1, 5])  # what followed "5 6 7" the first time
+
+
+def test_suffix_drafts_copy_prompt_spans(target_model):
+    """A prompt that holds the target's own greedy continuation: the suffix proposer drafts it
+    back in long chains (few target forwards), the output still equal to generate's."""
+    base = PROMPTS[1]
+    out = hf_greedy(target_model, base, 30, eos=None)
+    prompt = base + out + [3] + base  # the continuation is in the prompt, after the same text
+    dec = SpeculativeDecoder(target_model, SuffixProposer(), k=4, adaptive=False, fallback=False)
+    res = dec.generate(prompt, max_new_tokens=24)
+    assert res.output_ids == hf_greedy(target_model, prompt, 24, eos=None)
+    assert res.stats.tau > 3 and max(len(res.stats.reached), 0) > 4  # chains beyond k = 4
+
+
+def test_hybrid_maps_the_inner_path_and_counts_its_choices(target_model):
+    hybrid = SuffixProposer(make_proposer("lm-other", target_model), VOCAB, mode="merge")
+    dec = SpeculativeDecoder(target_model, hybrid, k=3, adaptive=False, fallback=False)
+    prompt = PROMPTS[1] * 3
+    res = dec.generate(prompt, max_new_tokens=24)
+    assert res.output_ids == hf_greedy(target_model, prompt, 24, eos=None)
+    assert hybrid.choices["both"] > 0  # merged trees were verified
+    assert hybrid.inner._cached() <= len(prompt) + 24  # the draft LM's cache stayed a prefix

@@ -15,14 +15,16 @@ from draftsmith.eval.draft import (
     resolve_k,
     settle,
 )
-from draftsmith.heads.family import FAMILIES, TreeKind, get_family
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import TreeKind
+from draftsmith.heads.medusa import DEFAULT_BRANCHING
 
 OPTIONS = {"k": None, "tree": "auto", "tree_size": None, "tree_topk": 8,
            "medusa_branching": None, "draft_vocab": None, "dtype": "bfloat16", "device": "cpu"}
 
 
 def _pkg(kind: str, spec: dict | None, path: Path | None = None) -> SimpleNamespace:
-    return SimpleNamespace(kind=kind, family=get_family(kind), speculation=spec,
+    return SimpleNamespace(family=get_family(kind), speculation=spec,
                            path=path or Path("/nonexistent"), head_config=None)
 
 
@@ -37,7 +39,8 @@ def test_lm_tree_is_the_default_only_where_it_beat_the_chain():
     plan = _plan("lm", spec)
     assert (plan.tree, plan.k, plan.tree_size, plan.k_source) == (
         True, 2, 8, "speculation.json (tree)")
-    assert not _plan("lm", spec, dtype="float32").tree  # measured in another dtype
+    assert _plan("lm", spec, dtype="float32").tree  # the nearest record (bf16's) says tree
+    assert not _plan("lm", {**spec, "hardware": {"device": "cuda"}}, dtype="float32").tree
     assert not _plan("lm", {**spec, "tree": {**spec["tree"], "speedup": 1.0}}).tree
     assert not _plan("lm", {**spec, "tree": None}).tree
     assert _plan("lm", {**spec, "measured_speedup": {"k": 0, "speedup": None}}).tree
@@ -50,10 +53,11 @@ def test_eagle_tree_gives_way_to_the_chain_only_where_the_chain_measured_faster(
             "tree": {"depth": 2, "total_tokens": 16, "speedup": 1.27}}
     plan = _plan("eagle", spec)
     assert (plan.tree, plan.k, plan.k_source) == (False, 2, "speculation.json")
-    assert _plan("eagle", spec, dtype="float32").tree  # measured in another dtype
+    assert not _plan("eagle", spec, dtype="float32").tree  # the nearest record: bf16's chain
     assert _plan("eagle", {**spec, "tree": {**spec["tree"], "speedup": 1.6}}).tree
     assert _plan("eagle", {**spec, "measured_speedup": None}).tree
-    assert _plan("eagle", None).tree  # nothing measured: EAGLE's default is the tree
+    assert not _plan("eagle", None).tree  # nothing measured: a short chain, not a large tree
+    assert _plan("eagle", None, tree="tree").tree_size == DEFAULT_TREE_SIZE == 16
     assert not _plan("eagle", spec, tree="chain").tree and _plan("eagle", spec, tree="tree").tree
 
 
@@ -64,9 +68,12 @@ def test_the_tree_shape_is_measured_only_where_it_was_measured():
     assert (plan.k, plan.tree_size, plan.k_source) == (2, 16, "speculation.json (tree)")
     plan = _plan("eagle", spec, k=3)
     assert (plan.k, plan.tree_size, plan.k_source) == (3, 16, "config")
-    plan = _plan("eagle", spec, dtype="float32")
-    assert (plan.k, plan.tree_size) == (DEFAULT_K, DEFAULT_TREE_SIZE)
-    assert plan.k_source == "default (K* in speculation.json is for bfloat16)"
+    plan = _plan("eagle", spec, dtype="float32")  # the nearest record: bfloat16's tree
+    assert (plan.k, plan.tree_size) == (2, 16)
+    assert plan.k_source == "speculation.json (bfloat16's record: nearest measured, tree)"
+    plan = _plan("eagle", {**spec, "hardware": {"device": "cuda"}}, dtype="float32")
+    assert (plan.tree, plan.k, plan.k_source) == (
+        False, DEFAULT_K, "default (K* in speculation.json is for bfloat16)")  # not near
     plan = _plan("eagle", {**spec, "tree": None}, tree_size=8)
     assert (plan.k, plan.tree_size, plan.k_source) == (1, 8, "speculation.json")
 
@@ -76,13 +83,14 @@ def test_medusa_branching_is_measured_unless_given_and_kstar_zero_with_a_losing_
             "measured_speedup": {"speedup": 3.0},  # a static tree is not compared with chains
             "tree": {"depth": 2, "total_tokens": 6, "branching": [3, 1], "speedup": 1.1}}
     plan = _plan("medusa", spec)
-    assert (plan.tree, plan.medusa_branching, plan.k, plan.k_source) == (
+    assert (plan.tree, plan.options["medusa_branching"], plan.k, plan.k_source) == (
         True, (3, 1), 2, "speculation.json (tree)")
     plan = _plan("medusa", spec, medusa_branching=[2, 2, 1])
-    assert (plan.medusa_branching, plan.k, plan.k_source) == ((2, 2, 1), 2, "speculation.json")
+    assert (plan.options["medusa_branching"], plan.k, plan.k_source) == (
+        (2, 2, 1), 2, "speculation.json")
     plan = _plan("medusa", {**spec, "k_star": 0, "tree": {**spec["tree"], "speedup": 0.9}})
     assert (plan.k, plan.k_source) == (0, "speculation.json (K* = 0, best tree 0.90x)")
-    assert _plan("medusa", None).medusa_branching == draft.DEFAULT_MEDUSA_BRANCHING
+    assert _plan("medusa", None).options["medusa_branching"] == DEFAULT_BRANCHING
 
 
 def test_resolve_k_uses_k_star_only_for_the_dtype_and_device_it_was_measured_on():

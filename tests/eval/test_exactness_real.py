@@ -20,8 +20,9 @@ QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a short poem."]},
     {"question_id": 2, "category": "math", "turns": ["What is 12 plus 30?"]},
 ]
-STANDIN_NAMES = {"plain", "lookup", "lm-chain@untrained", "lm-tree@untrained",
-                 "medusa-tree@untrained", "eagle-chain@untrained", "eagle-tree@untrained"}
+FAMILY_NAMES = ["lm-chain", "lm-tree", "medusa-tree", "eagle-chain", "eagle-tree"]
+STANDIN_NAMES = {"plain", "lookup", "suffix", *(f"{n}@untrained" for n in FAMILY_NAMES)}
+HYBRID_NAMES = {f"{n}+suffix@untrained" for n in FAMILY_NAMES}  # each beside the suffix proposer
 
 
 def _last_hidden(model, ids: list[int]) -> torch.Tensor:
@@ -132,13 +133,13 @@ def test_tiny_check_passes_for_every_standin_proposer(tiny_setup):
     threads_before = torch.get_num_threads()
     res = exactness.run_overrides(_tiny_overrides(tiny_setup, f"out={out}", "threads=1"),
                                   tiny_setup["loaded"])
-    assert set(res["proposers"]) == STANDIN_NAMES
+    assert set(res["proposers"]) == STANDIN_NAMES | HYBRID_NAMES
     for name, r in res["proposers"].items():
         assert (r["identical"], r["total"], r["non_ties"]) == (2, 2, 0), name
     assert res["passed"] and res["failures"] == []
     assert torch.get_num_threads() == threads_before  # run() restores the thread count
     saved = json.loads(out.read_text())
-    assert saved["passed"] and set(saved["proposers"]) == STANDIN_NAMES
+    assert saved["passed"] and set(saved["proposers"]) == STANDIN_NAMES | HYBRID_NAMES
     assert {"settings", "hardware", "date", "references"} <= set(saved)
     assert all(0 < len(v) <= 12 for v in saved["references"].values())
     assert any(len(set(v)) > 3 for v in saved["references"].values())  # not one repeated token
@@ -160,7 +161,8 @@ def test_tiny_check_covers_a_frequent_token_draft_vocabulary(tiny_setup):
                         frequency_record(torch.arange(vocab, 0, -1), "t"))
     res = exactness.run_overrides(_tiny_overrides(tiny_setup, f"drafts=[{pkg}]", "draft_vocab=40"),
                                   loaded)
-    assert set(res["proposers"]) == {"plain", "lookup", "lm-chain@lm", "lm-tree@lm",
+    assert set(res["proposers"]) == {"plain", "lookup", "suffix", "lm-chain@lm", "lm-tree@lm",
+                                     "lm-chain+suffix@lm", "lm-tree+suffix@lm",
                                      "lm-chain/40ids@lm", "lm-tree/40ids@lm"}
     assert res["passed"]
     assert all(r["identical"] == r["total"] == 2 for r in res["proposers"].values())
@@ -213,8 +215,8 @@ def test_cli_exit_code_and_report(tiny_setup):
 def test_real_target_every_standin_proposer_is_exact(real_target, tmp_path):
     # one thread: on two shared cores a second thread mostly waits for the busy core; one prompt
     # per set and smaller trees than the defaults keep the test quick and still branch at every
-    # depth (bench/exactness*.json hold the wider runs)
-    res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=1",
+    # depth (bench/exactness*.json hold the wider runs); the hybrids run on the tiny target
+    res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=1", "suffix=false",
                                    "max_new_tokens=24", "drafts=[]", "threads=1", "k=3",
                                    "standins.lm.num_layers=1", "tree_topk=3", "tree_size=12",
                                    "medusa_branching=[3,2,1]",

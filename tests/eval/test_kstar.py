@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from draftsmith.eval.decoding.cost import Costs, expected_tokens, parse_costs
+from draftsmith.eval.decoding.cost import Costs, choose_kstar, expected_tokens, parse_costs
+from draftsmith.eval.decoding.k_controller import KController
 from draftsmith.eval.decoding.proposers import DraftLMProposer
-from draftsmith.eval.decoding.stats import KController
 from draftsmith.eval.decoding.target_model import Target
-from draftsmith.eval.kstar import choose_kstar, measure_speculation
+from draftsmith.eval.kstar import measure_speculation
 from tests.conftest import tiny_llama
 
 

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from draftsmith.eval.decoding.cost import Costs, expected_speedups, expected_tokens, parse_costs
-from draftsmith.eval.report import build_report, predicted_speedup, run
+from draftsmith.eval.report import build_report, run
+from draftsmith.eval.report_rows import predicted_speedup
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval"
 

@@ -289,7 +289,7 @@ class WrongQAtDepth3:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.kind, self.layer_ids, self.tree = inner.kind, inner.layer_ids, inner.tree
+        self.name, self.layer_ids, self.tree = inner.name, inner.layer_ids, inner.tree
         self.lossless = True
 
     def reset(self, tokens, target_out) -> None:
@@ -383,6 +383,52 @@ def test_twin_a_wrong_q_at_the_third_position_fails(kind, setting):
     misaligned q barely moves the outputs; their twins are the drawn-tree tests below.)"""
     p = _deep_p_value(kind, setting, corrupt=True)
     assert p < 1e-3, f"{kind} with a wrong q at position 3 passed the exactness test: p = {p:.3g}"
+
+
+# ------------------------------------------------- the hybrid: a trained draft beside the suffix
+# The inner proposal and the suffix chain merged into one tree every round (mode="merge"): the
+# binary outputs repeat, so suffix matches exist every round and the suffix branch (tried after
+# the inner root) is often accepted. Twin: the merge gives the suffix nodes the point mass of the
+# wrong token id (their q rows shifted by one id); it must fail.
+HYBRID_KINDS = ["lm-chain", "eagle-chain"]
+
+
+def _hybrid_p_value(kind: str, setting: dict) -> float:
+    from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
+
+    model = _binary_llama(seed=1)
+    proposer = SuffixProposer(_deep_proposer(kind, model), DEEP_V, max_length=3, mode="merge")
+    dec = SpeculativeDecoder(model, proposer, k=DEEP_K, adaptive=False, fallback=False)
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for _ in range(DEEP_SAMPLES):
+        res = dec.generate(DEEP_PROMPT, max_new_tokens=DEEP_NEW, generator=g, **setting)
+        outs.append(int("".join(map(str, res.output_ids)), DEEP_V))
+    assert proposer.accepted["suffix"] > DEEP_SAMPLES // 8  # the suffix branch was taken often
+    assert proposer.accepted["inner"] > DEEP_SAMPLES // 8
+    return chi_square_p(torch.tensor(outs), _deep_exact(model, setting))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", DEEP_SETTINGS, ids=["T0.7", "T1.0"])
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_hybrid_samples_exactly(kind, setting):
+    assert _hybrid_p_value(kind, setting) > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle-chain"])
+def test_twin_hybrid_with_misaligned_q_on_the_suffix_nodes_fails(kind, monkeypatch):
+    """(Beside the draft LM's chain, a target plus a little noise, the suffix branch is taken
+    after the draft's root was rejected, where the residual of two ids holds the other one
+    alone: accepted whatever q says. The EAGLE stand-in leaves deeper suffix nodes to decide.)"""
+    from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
+
+    monkeypatch.setattr(SuffixProposer, "_suffix_q", lambda self, chain, q: torch.nn.functional
+                        .one_hot(torch.tensor(chain), q.shape[-1]).roll(1, -1).float())
+    p = _hybrid_p_value(kind, DEEP_SETTINGS[1])
+    assert p < 1e-3, f"{kind} + suffix with misaligned suffix q rows passed: p = {p:.3g}"
 
 
 # ------------------------------------------------------ the dynamic tree's own draws (sampling)

@@ -249,7 +249,7 @@ def test_the_plain_decoder_is_warmed_up_too(lively, records, monkeypatch):
     warmed = []
     real = session.decoder
     monkeypatch.setattr(session, "decoder", lambda model, proposer, recs=(), **kw: (
-        warmed.append((proposer.kind, len(recs))) or real(model, proposer, recs, **kw)))
+        warmed.append((proposer.name, len(recs))) or real(model, proposer, recs, **kw)))
     model = lively[0]
     paired(real(model, PlainProposer(), records, k=0), model, records,
            Sampling(max_new_tokens=3), eos_ids(model))
@@ -335,3 +335,21 @@ def test_a_grid_of_decoders_is_interleaved_per_prompt_and_survives_a_slowdown():
     first = decode_set(FakeDecoder(machine, 0.01), FAKE_RECORDS, FAKE, None)[1].tokens_per_s
     second = decode_set(FakeDecoder(machine, 0.005), FAKE_RECORDS, FAKE, None)[1].tokens_per_s
     assert (first / base, second / base) == pytest.approx((1.0, 1.0))  # 2x measured as 1x
+
+
+def test_rounds_bracket_every_round_with_plain_runs_and_take_medians():
+    """The fallback benchmark's interleaving: per prompt, rounds of (plain, every decoder) and
+    plain once more; a slow round of a decoder does not move its ratio (medians on both sides),
+    and its stats count every round."""
+    from draftsmith.eval.session import paired_many
+
+    machine = Machine()
+    slow_first = FakeDecoder(machine, 0.005, jitter=(4.0, 1.0, 1.0))  # 2x plain, but one slow run
+    plain = FakeDecoder(machine, 0.01)
+    (res,) = paired_many([slow_first], None, FAKE_RECORDS, FAKE, None, plain=plain, rounds=3)
+    assert plain.calls == 4 * len(FAKE_RECORDS) and slow_first.calls == 3 * len(FAKE_RECORDS)
+    assert res.speedup == pytest.approx(2.0) and res.plain_drift == [0.0] * len(FAKE_RECORDS)
+    assert res.samples[0]["plain_wall_time_s"] == pytest.approx([0.1] * 4)
+    assert res.stats.tokens_generated == 3 * len(FAKE_RECORDS) * FAKE.max_new_tokens
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        paired_many([slow_first], None, FAKE_RECORDS, FAKE, None, plain=plain, rounds=0)

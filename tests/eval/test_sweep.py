@@ -10,17 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.eval.sweep import (
-    CONF_DIR,
-    Isolate,
-    is_done,
-    job_id,
-    job_stem,
-    normalize_settings,
-    run_job,
-    run_sweep,
-    task,
-)
+from draftsmith.eval import CONF_DIR
+from draftsmith.eval.sweep import Isolate, run_job, run_sweep, task
+from draftsmith.eval.sweep_jobs import is_done, job_id, job_stem, normalize_settings
 
 REPO = Path(__file__).resolve().parents[2]
 

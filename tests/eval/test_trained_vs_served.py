@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from test_report import make_draft, settings, write_job
 
-from draftsmith.eval.report import _beyond_noise, build_report
+from draftsmith.eval.report import build_report
+from draftsmith.eval.report_rows import _beyond_noise
 
 
 def test_a_gap_is_noise_only_when_few_drafts_reached_the_position():

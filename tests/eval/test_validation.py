@@ -10,8 +10,7 @@ from conftest import QUESTIONS
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from draftsmith.eval import decode, measure, session, sweep
-from draftsmith.eval.decode import CONF_DIR
+from draftsmith.eval import CONF_DIR, decode, measure, session, sweep
 from draftsmith.scripts import bench
 
 

@@ -33,7 +33,8 @@ from draftsmith.eval.decoding.proposers_dflash import DFlashProposer
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
 from draftsmith.heads.draft_config import draft_layer_config, rope_parameters
-from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.package import load_package, save_package
 from draftsmith.train.trainable import DistillModule
 

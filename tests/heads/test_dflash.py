@@ -18,10 +18,12 @@ from draftsmith.eval.draft import DraftSettings, settle
 from draftsmith.heads import dflash, dflash_train
 from draftsmith.heads.dflash import DFlashConfig, DFlashDrafter, build_dflash
 from draftsmith.heads.dflash_train import distill_targets
-from draftsmith.heads.family import TreeKind, get_family
+from draftsmith.heads.family import get_family
+from draftsmith.heads.family_base import TreeKind
 from draftsmith.heads.package import load_package, save_package
-from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.losses import DistillLoss
 from draftsmith.train.metrics import acceptance_stats
+from draftsmith.train.teacher_probs import shared_teacher_rows
 
 LAYERS, FUSE, EOS = 4, [3, 1], 2  # fuse_layers out of order: the column order is kept everywhere
 FAMILY = get_family("dflash")
@@ -121,7 +123,7 @@ def test_package_round_trip_gives_identical_logits(target, tmp_path):
     pkg_dir = save_package(tmp_path / "pkg", "dflash", d, d.cfg, target.identity,
                            target_config=target.model.config)
     pkg = load_package(pkg_dir, target=target)
-    assert pkg.kind == "dflash" and pkg.head_config == d.cfg
+    assert pkg.family.name == "dflash" and pkg.head_config == d.cfg
     assert pkg.info["draft_config"]["architectures"] == ["DFlashDrafter"]
     assert pkg.info["draft_config"]["hidden_act"] == "silu"
     ids = ids_of(1)
@@ -362,7 +364,7 @@ def test_the_context_cache_after_accepting_several_drafts(target):
 def test_chains_only_and_no_batches(target):
     d = drafter(target).eval()
     chain = DraftSettings(k=3, k_source="config", tree=False, tree_size=10, tree_topk=2,
-                          medusa_branching=(1,), draft_vocab=None)
+                          draft_vocab=None)
     assert isinstance(DFlashProposer.for_draft(d, d.cfg, 96, chain), DFlashProposer)
     with pytest.raises(ValueError, match="no tree"):
         DFlashProposer.for_draft(d, d.cfg, 96, DraftSettings(**{**chain.__dict__, "tree": True}))

@@ -123,13 +123,19 @@ def test_head_rows_refuses_what_a_row_subset_would_change(target_model):
         head_rows(head, SUBSET, VOCAB, cfg)
 
 
-def test_reduced_vocabulary_eagle_head_refuses_a_second_subset(target_model):
+def test_a_reduced_vocabulary_eagle_head_drafts_over_a_subset_of_its_own_ids(target_model):
+    """draft_vocab on a head trained with a reduced vocabulary: the rows of its own ids that are
+    in the subset, with the logits the whole head gives them (measure.py searches these sizes)."""
     from draftsmith.heads.eagle import EagleConfig, build_eagle
 
-    counts = torch.arange(VOCAB, 0, -1)
+    counts = torch.arange(VOCAB, 0, -1)  # ids 0..15 most frequent: the head's vocabulary
     head = build_eagle(EagleConfig(draft_vocab_size=16), target_model, token_counts=counts).eval()
-    with pytest.raises(ValueError, match="trained with a reduced vocabulary"):
-        EagleProposer(head, VOCAB, vocab_ids=SUBSET)
+    whole = EagleProposer(head, VOCAB)
+    sub = EagleProposer(head, VOCAB, vocab_ids=SUBSET)  # the even ids; 0..14 are the head's
+    assert sub.d2t.tolist() == [i for i in range(16) if i % 2 == 0]
+    hidden = torch.randn(3, 1, head.hidden_size)
+    full_logits = whole._logits(hidden)  # (3, 1, 16) over the head's own ids
+    torch.testing.assert_close(sub._logits(hidden), full_logits[..., ::2])
 
 
 def test_frequency_record_round_trip_and_choice(tmp_path):

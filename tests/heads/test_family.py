@@ -12,8 +12,9 @@ from conftest import make_tiny_target, randomize
 from omegaconf import OmegaConf
 
 from draftsmith.heads.eagle import EagleConfig
-from draftsmith.heads.exports import FORMATS, format_families
-from draftsmith.heads.family import FAMILIES, HeadStateError, get_family
+from draftsmith.heads.exports import export_format, export_formats, format_families
+from draftsmith.heads.family import FAMILIES, get_family
+from draftsmith.heads.family_base import HeadStateError, load_object
 from draftsmith.heads.medusa import MedusaConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -258,17 +259,29 @@ def test_check_init_from_refuses_an_eagle_package_fusing_other_layers():
 def test_each_export_format_names_its_families_and_only_gguf_is_shared():
     per_family = [set(f.export_formats) for f in FAMILIES.values()]
     assert all(per_family)
-    assert set().union(*per_family) == set(FORMATS) and len(set(FORMATS)) == len(FORMATS)
-    for fmt in FORMATS:
+    assert set().union(*per_family) == set(export_formats())
+    assert len(set(export_formats())) == len(export_formats())
+    for fmt in export_formats():
         assert format_families(fmt) == tuple(f for f in FAMILIES.values()
                                              if fmt in f.export_formats)
         assert len(format_families(fmt)) == 1 or fmt == "gguf"
+    for family in FAMILIES.values():
+        for fmt in family.export_formats:
+            layout = export_format(fmt, family)
+            assert callable(load_object(layout.writer)) and callable(load_object(layout.reader))
     assert {f.name: f.export_formats for f in FAMILIES.values()} == {
         "lm": ("hf", "gguf"), "medusa": ("medusa",),
         "eagle": ("eagle", "eagle3", "speculators", "gguf"), "dflash": ("dflash", "gguf")}
     # a draft LM's GGUF is written directly; the others go through llama.cpp's converter
     assert {f.name: f.gguf_layout for f in FAMILIES.values() if "gguf" in f.export_formats} == {
         "lm": None, "eagle": "eagle3", "dflash": "zlab_dflash"}
+
+
+def test_the_bench_configs_have_a_key_per_family_they_run():
+    bench = OmegaConf.load(REPO / "conf" / "eval" / "bench.yaml")
+    batch = OmegaConf.load(REPO / "conf" / "eval" / "bench_batch.yaml")
+    assert all(name in bench for name in FAMILIES)
+    assert {f.name for f in FAMILIES.values() if f.batch_drafter} <= set(batch)
 
 
 def test_num_positions_and_default_position_weights_per_family():
@@ -291,7 +304,8 @@ def test_every_family_builds_an_empty_head_of_the_trained_shapes():
     the base class declares both abstract, so a family without them cannot be created."""
     from draftsmith.heads.draft_lm import DraftLMConfig
     from draftsmith.heads.eagle import EagleConfig
-    from draftsmith.heads.family import DraftFamily, get_family
+    from draftsmith.heads.family import get_family
+    from draftsmith.heads.family_base import DraftFamily
     from draftsmith.heads.medusa import MedusaConfig
 
     target = make_tiny_target()

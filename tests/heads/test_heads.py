@@ -387,6 +387,7 @@ def test_eagle_layouts_structure_init_and_config():
     assert torch.equal(normed.norm.weight, target.model.norm.weight)
     assert {"fc.bias", "norm.weight", "layer.input_layernorm.weight"} <= set(
         normed.trainable_state_dict())
+
     def rms(out, w):
         return (out / w).pow(2).mean(-1).sqrt()
 

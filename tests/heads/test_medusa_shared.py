@@ -18,7 +18,8 @@ from draftsmith.heads.family import get_family
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.package import PACKAGE_JSON, load_package, save_package
 from draftsmith.heads.weights import WEIGHTS
-from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.losses import DistillLoss
+from draftsmith.train.teacher_probs import shared_teacher_rows
 
 VOCAB = 96
 

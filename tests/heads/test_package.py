@@ -14,19 +14,11 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
+from draftsmith.data.identity import TargetMismatchError, sha256_file
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import (
-    MANIFEST,
-    PACKAGE_JSON,
-    SIGNATURE,
-    PackageIntegrityError,
-    TargetMismatchError,
-    load_package,
-    save_package,
-    sha256_file,
-    update_package_json,
-)
+from draftsmith.heads.package import PACKAGE_JSON, load_package, save_package, update_package_json
 from draftsmith.heads.weights import WEIGHTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +53,7 @@ def test_medusa_round_trip_same_outputs(tmp_path):
                                  extra_json={"speculation": {"k_star": 3}})
     pkg = load_package(out, target=target)
     hidden = torch.randn(2, 5, target.model.config.hidden_size)
-    assert pkg.kind == "medusa"
+    assert pkg.family.name == "medusa"
     assert pkg.head_config == MedusaConfig(num_heads=3, num_layers=2)
     assert pkg.speculation == {"k_star": 3}
     assert pkg.identity == target.identity

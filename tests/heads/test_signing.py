@@ -10,19 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_target
 
+from draftsmith.data.identity import sha256_file
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import (
-    MANIFEST,
-    SIGNATURE,
-    PackageIntegrityError,
-    PackageSignatureError,
-    load_package,
-    save_package,
-    sha256_file,
-    update_package_json,
-)
+from draftsmith.heads.package import load_package, save_package, update_package_json
 from draftsmith.heads.signing import (
     RELEASE_KEYS,
+    PackageSignatureError,
     _load_public,
     fingerprint,
     local_signing_key,

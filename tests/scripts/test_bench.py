@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.heads.package import load_package, update_package_json
 from draftsmith.heads.vocab import frequency_record
-from draftsmith.scripts import bench
+from draftsmith.scripts import bench, bench_fallback
 
 
 def test_bench_decoding_section_on_a_tiny_target(decode_setup, tmp_path, capsys):
@@ -89,7 +89,8 @@ def test_bench_runs_the_measured_lm_tree_against_assisted_at_its_depth(decode_se
 
 
 def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(decode_setup, tmp_path):
-    path = bench.useless_copy("lm", str(decode_setup["lm"]), decode_setup["loaded"], tmp_path)
+    path = bench_fallback.useless_copy("lm", str(decode_setup["lm"]), decode_setup["loaded"],
+                                       tmp_path)
     good = load_package(decode_setup["lm"]).module
     bad = load_package(path, target=decode_setup["loaded"]).module
     ids = torch.randint(0, good.config.vocab_size, (1, 12),
@@ -100,14 +101,3 @@ def test_useless_copy_proposes_wrong_tokens_at_the_same_cost(decode_setup, tmp_p
     # the same computation: same layers, same LM-head shape (only untied from the embeddings)
     assert bad.config.num_hidden_layers == good.config.num_hidden_layers
     assert bad.get_output_embeddings().weight.shape == good.get_output_embeddings().weight.shape
-
-
-def test_paired_ratio_is_the_median_of_per_prompt_ratios():
-    def samples(pairs):
-        return [{"output_ids": [0] * n, "wall_time_s": t} for n, t in pairs]
-
-    fast = samples([(10, 1.0), (20, 1.0), (30, 2.0)])  # 10, 20, 15 tokens/s
-    base = samples([(5, 1.0), (10, 1.0), (5, 1.0)])  # 5, 10, 5 tokens/s
-    assert bench.paired_ratio(fast, base) == 2.0  # ratios 2, 2, 3
-    assert bench.paired_ratio(fast[:2], base[1:]) == 2.5  # ratios 1, 4: the middle of two
-    assert bench.paired_ratio(fast, samples([(5, 0.0)] * 3)) is None  # no timed base

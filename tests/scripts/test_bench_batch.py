@@ -19,7 +19,7 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     lm = tmp_path / "lm"
     shutil.copytree(decode_setup["lm"], lm)
     eagle, _ = draft_package(decode_setup, "eagle")
-    cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
+    cfg = OmegaConf.merge(OmegaConf.load(bench_batch.CONF_FILE), {
         "questions": str(decode_setup["questions"]), "batch_sizes": [1, 2], "ks": [1, 2],
         "max_new_tokens": 6, "repeats": 1, "lm": str(lm), "eagle": str(eagle),
         "mixed": {"good_rows": 1, "k": "auto"}, "write": True, "tree_shapes": [[2, 4]],
@@ -77,7 +77,7 @@ def test_bench_batch_on_a_tiny_target(decode_setup, tmp_path):
     ({"tree_shapes": [[4, 16], [2]]}, r"tree_shapes entry \[2\]: each is \[depth, nodes\]"),
 ])
 def test_bench_batch_refuses_more_rows_than_questions(decode_setup, tmp_path, change, message):
-    cfg = OmegaConf.merge(OmegaConf.load(bench_batch.REPO / "conf/eval/bench_batch.yaml"), {
+    cfg = OmegaConf.merge(OmegaConf.load(bench_batch.CONF_FILE), {
         "questions": str(decode_setup["questions"]), "batch_sizes": [1, 2], "eagle": None,
         "target_path": str(decode_setup["target"]), "dtype": "float32",
         "out_dir": str(tmp_path / "out")}, change)

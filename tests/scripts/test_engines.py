@@ -5,14 +5,17 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.eval.markdown import write_markdown
 from draftsmith.heads.family import FAMILIES
 from draftsmith.scripts import engine_envs, engines
 
 
 def test_every_export_format_has_an_engine_to_run_it():
-    formats = {fmt for family in FAMILIES.values() for fmt in family.export_formats}
-    assert formats == set(engines.FORMAT_ENGINE)
-    assert {engine for engine, _ in engines.FORMAT_ENGINE.values()} <= set(engines.ENVS)
+    layouts = [e for family in FAMILIES.values() for e in family.exports]
+    assert {e.engine for e in layouts} <= set(engines.ENVS)
+    assert {e.name: e.method for e in layouts if e.engine == "vllm"} == {
+        "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "hf": "draft_model",
+        "speculators": None, "dflash": None}
     # a gguf from llama.cpp's own converter runs in llama-server, a draft LM's in the binding
     assert {engines.format_engine("gguf", f) for f in FAMILIES.values()
             if "gguf" in f.export_formats} == {"llama_cpp", "llama_server"}
@@ -98,7 +101,7 @@ def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
             {"draft": "runs/eagle", "format": "speculators", "engine": "vllm", "loads": False,
              "error": "ValidationError: Expected one of: eagle3 | peagle"}]
     path = Path(tmp_path) / "engines.md"
-    engines.write_markdown(rows, path)
+    write_markdown(path, engines.rows_markdown(rows))
     lines = path.read_text().splitlines()
     assert len(lines) == 2 + len(rows)
     assert ("| 0.08 0.00 | 0.08 0.00 | True | 0.74x (0.70-0.80, 3 prompts, noisy) | 2 / 1 / 5 |"

@@ -17,21 +17,16 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.data.identity import TargetIdentity
+from draftsmith.data.identity import TargetIdentity, TargetMismatchError
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.heads.eagle import EagleConfig, build_eagle
-from draftsmith.heads.exports import WEIGHTS_FILE, import_export
-from draftsmith.heads.manifest import SIGNATURE
+from draftsmith.heads.exports import export_format, import_export
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import (
-    MANIFEST,
-    PackageIntegrityError,
-    TargetMismatchError,
-    load_package,
-    save_package,
-)
+from draftsmith.heads.package import load_package, save_package
 from draftsmith.scripts import export_formats
-from draftsmith.scripts.export import ExportError, OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export import OutPathError, export_package, tensor_shapes
+from draftsmith.scripts.export_formats import ExportError
 from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +44,7 @@ def _conforms(out: Path, fmt: str) -> None:
     for name in REQUIRED_FILES[fmt] + (MANIFEST,):
         assert (out / name).is_file(), f"{fmt} export lacks {name}"
     config = json.loads((out / "config.json").read_text())
-    assert layout_problems(fmt, config, tensor_shapes(out / WEIGHTS_FILE[fmt])) == []
+    assert layout_problems(fmt, config, tensor_shapes(out / export_format(fmt).weights_file)) == []
     manifest = json.loads((out / MANIFEST).read_text())
     assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir()
                                                if p.name not in (MANIFEST, SIGNATURE))
@@ -94,11 +89,10 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
     same file written without the permutation reads back with other q/k weights."""
     import gguf
 
-    from draftsmith.data.packaged import DEFAULT_PACKAGED, packaged_targets, target_gguf
+    from draftsmith.data.packaged import packaged_target, target_gguf
     from draftsmith.scripts import export_gguf
-    target, draft, pkg = lm_package
-    # a tokenizer source: the packaged default target's GGUF (the tiny target has none)
-    source = target_gguf(packaged_targets()[DEFAULT_PACKAGED].sha256)
+    target, draft, pkg = lm_package  # the tiny target has SmolLM2's tokenizer
+    source = target_gguf(packaged_target("smollm2_135m").sha256)
     out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
     file = out / export_gguf.GGUF_FILE
     fields = gguf.GGUFReader(str(file)).fields
@@ -147,7 +141,7 @@ def test_reference_library_files_are_optional_extras_with_the_same_tensors(tmp_p
         out = export_package(pkg, fmt, tmp_path / fmt, reference_files=True, target=target)
         _conforms(out, fmt)  # the manifest lists the extra file
         ref = torch.load(out / name, weights_only=True)
-        stored = load_file(str(out / WEIGHTS_FILE[fmt]))
+        stored = load_file(str(out / export_format(fmt).weights_file))
         assert set(ref) - set(stored) == ({"embed_tokens.weight"} if fmt == "eagle" else set())
         for k, v in stored.items():
             assert torch.equal(ref[k], v), k
@@ -624,14 +618,14 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     import logging
     import os
 
-    from draftsmith.heads.package import remove_stale_siblings
+    from draftsmith.heads.publish import remove_stale_siblings
 
     _, _, pkg = lm_package
     out, dead, live = tmp_path / "hf", _dead_pid(), os.getppid()
     for name in (f"hf.tmp-{dead}", f"hf.old-{dead}", f"hf.tmp-{live}", "hf.tmp-notapid"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "half.bin").write_bytes(b"x")
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.publish"):
         export_package(pkg, "hf", out)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["hf", f"hf.tmp-{live}", "hf.tmp-notapid", "lm"]  # a live writer's kept
@@ -644,7 +638,7 @@ def test_stale_temporary_folders_of_dead_writers_are_removed(lm_package, tmp_pat
     # without <out>, a dead writer's .old-<pid> is the only previous copy: kept, named
     (tmp_path / f"gone.old-{dead}").mkdir()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.package"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.publish"):
         assert remove_stale_siblings(tmp_path / "gone") == []
     assert (tmp_path / f"gone.old-{dead}").is_dir() and "kept (move it back with" in caplog.text
 

@@ -12,10 +12,12 @@ import torch
 from conftest import make_tiny_target, randomize
 from safetensors.torch import load_file
 
-from draftsmith.heads.exports import WEIGHTS_FILE, import_export
+from draftsmith.heads.exports import export_format, import_export
 from draftsmith.heads.family import get_family
-from draftsmith.heads.package import MANIFEST, save_package
-from draftsmith.scripts.export import ExportError, export_package, tensor_shapes
+from draftsmith.heads.manifest import MANIFEST
+from draftsmith.heads.package import save_package
+from draftsmith.scripts.export import export_package, tensor_shapes
+from draftsmith.scripts.export_formats import ExportError
 from draftsmith.scripts.export_layouts import REQUIRED_FILES, layout_problems
 
 FAMILY = get_family("dflash")
@@ -114,7 +116,8 @@ def test_dflash_export_fields_names_and_ids(target, tmp_path):
     for name in REQUIRED_FILES["dflash"] + (MANIFEST,):
         assert (out / name).is_file(), name
     cfg = json.loads((out / "config.json").read_text())
-    assert layout_problems("dflash", cfg, tensor_shapes(out / WEIGHTS_FILE["dflash"])) == []
+    weights = out / export_format("dflash").weights_file
+    assert layout_problems("dflash", cfg, tensor_shapes(weights)) == []
     assert (cfg["speculators_model_type"], cfg["architectures"]) == ("dflash", ["DFlashSpeculator"])
     assert cfg["aux_hidden_state_layer_ids"] == [0, 3]  # transformers' hidden_states ids, sorted
     assert (cfg["block_size"], cfg["mask_token_id"], cfg["draft_vocab_size"],

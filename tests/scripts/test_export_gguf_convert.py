@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from draftsmith.scripts import export_gguf_convert as conv
-from draftsmith.scripts.export import ExportError, export_package
+from draftsmith.scripts.export import export_package
+from draftsmith.scripts.export_formats import ExportError
 from draftsmith.scripts.export_gguf import GGUF_FILE
 
 FUSE = [1, 3, 6]  # the converter's default for 8 layers is [2, 4, 5]

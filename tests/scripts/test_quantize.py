@@ -10,7 +10,8 @@ from conftest import draft_package
 
 from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.draft import build_proposer, load_draft, settle
-from draftsmith.heads.package import PACKAGE_JSON, PackageIntegrityError, load_package
+from draftsmith.heads.manifest import PackageIntegrityError
+from draftsmith.heads.package import PACKAGE_JSON, load_package
 from draftsmith.heads.quantize import Int4Linear, Int8Linear
 from draftsmith.heads.signing import sign_folder
 from draftsmith.scripts.quantize import quantize_package
@@ -129,7 +130,7 @@ def test_bad_quantization_records_and_devices_are_refused(tmp_path):
     (out / PACKAGE_JSON).write_text(json.dumps(info))
     with pytest.raises(PackageIntegrityError):  # the edit is caught by the manifest first
         load_package(out, target=target)
-    from draftsmith.heads.package import write_manifest
+    from draftsmith.heads.manifest import write_manifest
 
     old = json.loads((out / "manifest.json").read_text())
     write_manifest(out, {k: v for k, v in old.items() if k not in ("files", "signer")})

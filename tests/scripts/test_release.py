@@ -10,17 +10,11 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_eagle
-from draftsmith.heads.package import (
-    MANIFEST,
-    SIGNATURE,
-    PackageIntegrityError,
-    PackageSignatureError,
-    load_package,
-    save_package,
-    verify_package,
-)
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
+from draftsmith.heads.package import load_package, save_package, verify_package
 from draftsmith.heads.signing import (
     RELEASE_KEYS,
+    PackageSignatureError,
     _load_public,
     fingerprint,
     public_key_of,
@@ -88,6 +82,33 @@ def test_release_weights_over_the_shard_size_are_stored_in_signed_shards(tmp_pat
     shards[1].write_bytes(bytes(data))
     with pytest.raises(PackageIntegrityError, match=shards[1].name):
         load_package(out, target=target)
+
+
+def test_an_int8_package_is_released_as_the_int8_weights_its_decode_uses(tmp_path):
+    from draftsmith.scripts.quantize import quantize_package
+
+    src, _, target = _eagle3_package(tmp_path)
+    q = quantize_package(src, tmp_path / "int8")
+    out = release(q, tmp_path / "rel", command="test")
+    stored = load_file(str(out / WEIGHTS))
+    modules = json.loads((out / "draftsmith.json").read_text())["quantization"]["modules"]
+    assert modules and all(f"{m}.weight" not in stored for m in modules)
+    assert all(stored[f"{m}.weight_int8"].dtype == torch.int8 for m in modules)
+    assert stored["fc.weight"].dtype == torch.bfloat16  # left float by scripts/quantize.py
+    assert json.loads((out / "release.json").read_text())["int8_modules"] == len(modules)
+    bf16 = release(src, tmp_path / "rel16", command="test")
+    assert (out / WEIGHTS).stat().st_size < 0.75 * (bf16 / WEIGHTS).stat().st_size
+    feats = torch.randn(1, 5, 2 * target.model.config.hidden_size, dtype=torch.bfloat16)
+    ids = torch.randint(0, target.model.config.vocab_size, (1, 5))
+    logits = []
+    for pkg_dir in (q, out):  # the float int8 copy and the stored int8 release draft the same
+        head = load_package(pkg_dir, target=target).module.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            logits.append(head.compute_logits(head(feats, ids)).float())
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    head = load_package(src, target=target).module.to(torch.bfloat16).eval()
+    with torch.no_grad():  # (the twin: the float head drafts other logits)
+        assert not torch.equal(head.compute_logits(head(feats, ids)).float(), logits[0])
 
 
 def test_release_is_checked_by_the_manifest_and_refuses_to_overwrite_its_source(tmp_path):
@@ -174,7 +195,7 @@ def test_the_committed_release_loads_verifies_and_drafts_inside_its_vocabulary(r
     assert pkg.info["signer"] == fingerprint(_load_public(RELEASE_KEYS / "draftsmith-release.pub"))
     head = pkg.module
     # the engines' EAGLE-3 layout: fused layers below the final norm, so it exports exactly
-    assert pkg.kind == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 27]
+    assert pkg.family.name == "eagle" and head.reduced and head.cfg.fuse_layers == [2, 15, 27]
     assert head.cfg.layout == "eagle3"
     assert load_file(str(root / WEIGHTS))["fc.weight"].dtype == torch.bfloat16
     assert pkg.speculation is not None and pkg.speculation["dtype"] in ("bfloat16", "float32")

@@ -99,8 +99,6 @@ def assert_resumed(console: str, rows: list[dict], ckpt: Path, last_step: int) -
     assert not any(r.get("tag") == "init" for r in rows), "the relaunch validated from scratch"
 
 
-
-
 def launch_machines(config_file: str, out_dir: Path, overrides: list[str], port: int,
                     machines: int = 2, extra: tuple[str, ...] = (),
                     per_machine=lambda rank: []) -> list[subprocess.Popen]:

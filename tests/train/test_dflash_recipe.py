@@ -35,7 +35,7 @@ def test_dflash_trains_through_the_recipe(tmp_path):
     from draftsmith.heads.package import load_package
 
     pkg = load_package(out / "draft")
-    assert pkg.kind == "dflash" and pkg.head_config.fuse_layers == [1, 2, 3]
+    assert pkg.family.name == "dflash" and pkg.head_config.fuse_layers == [1, 2, 3]
     assert (pkg.head_config.mask_token_id, pkg.head_config.block_size) == (2, 4)
     manifest = json.loads(next((tmp_path / "cache").rglob("manifest.json")).read_text())
     assert manifest["layers"] == [1, 2, 3]  # the feature cache holds the fused layers

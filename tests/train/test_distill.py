@@ -56,7 +56,7 @@ def test_each_family_learns(kind, warm_cache, tmp_path):
     from draftsmith.heads.package import load_package
 
     pkg = load_package(out / "draft")
-    assert pkg.kind == kind
+    assert pkg.family.name == kind
     # token_frequency.json (heads/vocab.py): the loss-masked target ids of the training split
     freq = json.loads((out / "draft" / "token_frequency.json").read_text())
     report = json.loads((out / "draft" / "data_report.json").read_text())
@@ -108,6 +108,29 @@ def test_init_from_continues_from_a_package(kind, warm_cache, tmp_path):
     with pytest.raises(ValueError, match=f"holds a '{kind}' draft"):
         _run_inprocess(TINY + [f"draft={other}", f"draft.init_from={pkg}", "train.max_steps=1",
                                f"out_dir={tmp_path / 'c'}"])
+
+
+def test_a_draft_lm_starts_from_a_sibling_model_sharing_the_vocabulary(warm_cache, tmp_path):
+    """draft.init_from=<a model folder>: the draft LM is that whole model (a smaller sibling of
+    the target with its tokenizer), trained on; its package holds the sibling's shape."""
+    from draftsmith.data.tiny import tiny_target_dir
+    from draftsmith.heads.package import load_package
+
+    sibling = tiny_target_dir(num_layers=1, seed=5, initializer_range=0.3)
+    out = tmp_path / "sib"
+    summary = _run_inprocess(TINY + ["draft=lm", f"draft.init_from={sibling}",
+                                     "train.max_steps=2", f"out_dir={out}"])
+    pkg = load_package(out / "draft")
+    assert pkg.kind == "lm" and pkg.module.config.num_hidden_layers == 1
+    assert pkg.head_config.init == "model" and summary["alpha_hat_init"] != summary["alpha_hat"]
+    start = load_target_weights(sibling)
+    trained = pkg.module.state_dict()
+    assert set(start) <= set(trained)  # the sibling's weights, moved by two steps
+    assert any(not torch.equal(start[k], trained[k]) for k in start if start[k].is_floating_point())
+
+
+def load_target_weights(folder) -> dict:
+    return load_file(str(folder / "model.safetensors"))
 
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(warm_cache, tmp_path):
@@ -263,10 +286,10 @@ def _recipe(overrides: list[str]):
 
 def _loss_and_grads(recipe, batch, per_token: bool, fused: bool):
     recipe.cfg.train.teacher_per_token = per_token
-    recipe.loss_fn.fused = fused
+    recipe.objective.loss_fn.fused = fused
     recipe.optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same EAGLE feature noise on both paths
-    loss, parts, _ = recipe.compute_loss(batch)
+    loss, parts, _ = recipe.objective(batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in recipe.draft.module.named_parameters()
              if p.grad is not None}

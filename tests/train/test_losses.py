@@ -6,13 +6,9 @@ import math
 import pytest
 import torch
 
-from draftsmith.train.losses import (
-    LOSS_TERMS,
-    DistillLoss,
-    feature_regression,
-    teacher_log_probs,
-)
+from draftsmith.train.losses import LOSS_TERMS, DistillLoss, feature_regression
 from draftsmith.train.metrics import acceptance_stats, expected_acceptance, top1_agreement
+from draftsmith.train.teacher_probs import teacher_log_probs
 
 P = [0.5, 0.25, 0.15, 0.1]
 Q = [0.1, 0.2, 0.3, 0.4]
@@ -156,9 +152,9 @@ def test_feature_regression_is_masked_smooth_l1():
 def test_loss_terms_are_the_ones_the_config_allows():
     """One list: DistillLoss and the config validator accept the same terms, and the feature
     regression is not one of them (the recipe adds it with draft.feature_weight)."""
-    from draftsmith.train.config import LOSS_TERMS as config_terms
+    from draftsmith.train import config
 
-    assert config_terms is LOSS_TERMS and "feature" not in LOSS_TERMS
+    assert config.LOSS_TERMS is LOSS_TERMS and "feature" not in LOSS_TERMS
     for term in LOSS_TERMS:
         DistillLoss({term: 1.0})
     with pytest.raises(ValueError, match="unknown loss terms"):
@@ -309,7 +305,7 @@ def test_distill_loss_fused_and_reference_agree_with_every_teacher_form():
 
 
 def test_shared_teacher_computes_each_row_once_and_matches_per_position_teachers(monkeypatch):
-    from draftsmith.train import losses
+    from draftsmith.train import teacher_probs
 
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(12, 8, generator=g)
@@ -317,14 +313,14 @@ def test_shared_teacher_computes_each_row_once_and_matches_per_position_teachers
     d2t = torch.tensor([1, 2, 5, 8, 13])
     rows = [torch.tensor([0, 1, 2, 5]), torch.tensor([1, 2, 3, 6]), torch.tensor([2, 3, 4, 7])]
     seen = []
-    real = losses.teacher_log_probs
+    real = teacher_probs.teacher_log_probs
 
     def counting(teacher, *args, **kw):
         seen.append(teacher.shape[0])
         return real(teacher, *args, **kw)
 
-    monkeypatch.setattr(losses, "teacher_log_probs", counting)
-    shared = losses.shared_teacher_log_probs(hidden, rows, w, 0.9, d2t, chunk_size=3)
+    monkeypatch.setattr(teacher_probs, "teacher_log_probs", counting)
+    shared = teacher_probs.shared_teacher_log_probs(hidden, rows, w, 0.9, d2t, chunk_size=3)
     assert sum(seen) == 8  # the distinct rows 0..7, not 12
     for r, got in zip(rows, shared):
         assert torch.allclose(got, real(hidden[r], 0.9, w, d2t), atol=1e-6)
@@ -334,20 +330,21 @@ def test_shared_teacher_with_the_cached_normaliser_needs_only_the_draft_rows(mon
     """With the cache's log-normaliser the teacher over a reduced vocabulary is the draft rows'
     logits minus it: no vocabulary-wide softmax runs, and the log-probs are the same. Twin: a
     normaliser one row off gives other log-probs."""
-    from draftsmith.train import losses
+    from draftsmith.train import teacher_probs
 
     g = torch.Generator().manual_seed(3)
     hidden, w = torch.randn(12, 8, generator=g), torch.randn(30, 8, generator=g)
     d2t = torch.tensor([1, 2, 5, 8, 13])
     rows = [torch.tensor([0, 1, 2, 5]), torch.tensor([1, 2, 3, 6]), torch.tensor([2, 3, 4, 7])]
     lse = torch.logsumexp(hidden @ w.T, dim=-1)
-    want = losses.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t)
-    monkeypatch.setattr(losses, "teacher_log_probs", None)  # the full-vocabulary path is not run
-    got = losses.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t, log_normalizer=lse)
+    want = teacher_probs.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t)
+    # the full-vocabulary path is not run
+    monkeypatch.setattr(teacher_probs, "teacher_log_probs", None)
+    got = teacher_probs.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t, log_normalizer=lse)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    off = losses.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t,
-                                          log_normalizer=lse.roll(1))
+    off = teacher_probs.shared_teacher_log_probs(hidden, rows, w, 1.0, d2t,
+                                                 log_normalizer=lse.roll(1))
     assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(off, want))
 
 
@@ -375,16 +372,16 @@ def test_ce_data_with_shared_teacher_and_reduced_vocab_equals_the_hidden_path():
 
 def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monkeypatch):
     """The LM head over cached hidden states has one implementation,
-    ``data.features.teacher_logits``; losses and metrics reach it through teacher_log_probs."""
-    from draftsmith.data import features
+    ``data.teacher.teacher_logits``; losses and metrics reach it through teacher_log_probs."""
+    from draftsmith.data import teacher
 
     g = torch.Generator().manual_seed(7)
     hidden, w = torch.randn(3, 8, generator=g), torch.randn(20, 8, generator=g)
     want = torch.log_softmax(hidden @ w.T / 0.7, -1)
     torch.testing.assert_close(teacher_log_probs(hidden, 0.7, w), want)
     calls = []
-    real = features.teacher_logits
-    monkeypatch.setattr(features, "teacher_logits",
+    real = teacher.teacher_logits
+    monkeypatch.setattr(teacher, "teacher_logits",
                         lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     teacher_log_probs(hidden, 0.7, w)
     acceptance_stats(torch.randn(1, 3, 20), torch.ones(1, 3, dtype=torch.bool), hidden[None], w)
@@ -394,7 +391,7 @@ def test_teacher_log_probs_from_hidden_go_through_the_cache_teacher_logits(monke
 def test_teacher_logits_run_the_matmul_in_the_lm_heads_dtype():
     """A bf16 target's teacher is its bf16 LM head output (as in the target's own forward),
     returned in fp32 and divided by the temperature there."""
-    from draftsmith.data.features import teacher_logits
+    from draftsmith.data.teacher import teacher_logits
 
     g = torch.Generator().manual_seed(8)
     hidden = torch.randn(4, 16, generator=g).half()  # the cache's fp16 rows

@@ -10,7 +10,8 @@ import torch
 from conftest import make_tiny_target
 
 from draftsmith.train.config import ConfigError
-from draftsmith.train.losses import DistillLoss, shared_teacher_rows
+from draftsmith.train.host_memory import usable_memory
+from draftsmith.train.losses import DistillLoss
 from draftsmith.train.memory import (
     MARGIN,
     GiB,
@@ -20,8 +21,8 @@ from draftsmith.train.memory import (
     estimate,
     fitting_options,
     run_shapes,
-    usable_memory,
 )
+from draftsmith.train.teacher_probs import shared_teacher_rows
 from tests.train.launching import TINY
 from tests.train.launching import compose_config as _compose
 
@@ -128,16 +129,16 @@ def test_run_shapes_count_the_built_draft(mode):
 
 
 def test_usable_memory_reads_the_cgroup_limit(tmp_path, monkeypatch):
-    from draftsmith.train import memory
+    from draftsmith.train import host_memory
 
     (tmp_path / "memory.max").write_text(f"{2 * GiB}\n")
     (tmp_path / "memory.stat").write_text(f"anon {GiB // 2}\nfile {GiB}\n")
-    free, source = memory._cgroup_free(tmp_path)
+    free, source = host_memory._cgroup_free(tmp_path)
     assert free == GiB + GiB // 2 and "memory.max 2.0 GiB" in source
     (tmp_path / "memory.max").write_text("max\n")
-    assert memory._cgroup_free(tmp_path) is None
-    monkeypatch.setattr(memory, "_cgroup_free", lambda: (GiB, "cgroup"))
-    monkeypatch.setattr(memory, "_own_resident_bytes", lambda: GiB // 4)
+    assert host_memory._cgroup_free(tmp_path) is None
+    monkeypatch.setattr(host_memory, "_cgroup_free", lambda: (GiB, "cgroup"))
+    monkeypatch.setattr(host_memory, "_own_resident_bytes", lambda: GiB // 4)
     size, source = usable_memory(torch.device("cpu"), processes=2)
     assert size == GiB // 4 + GiB // 2 and "2 local processes" in source
 
@@ -210,7 +211,7 @@ def test_indexed_teacher_rows_equal_per_position_copies():
 # ----- the recipe's loss path past the budget ---------------------------------------------------
 def _recipe_loss_and_grads(recipe, batch) -> tuple[float, dict[str, torch.Tensor]]:
     recipe.optimizer.zero_grad(set_to_none=True)
-    loss, _, _ = recipe.compute_loss(batch)
+    loss, _, _ = recipe.objective(batch)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in recipe.draft.module.named_parameters()
                          if p.grad is not None}
@@ -222,7 +223,7 @@ def test_recipe_loss_past_the_budget_equals_the_kept_path(lm_head, tmp_path, mon
     even that is over the budget) give the loss and gradients of the path that keeps them."""
     from accelerate.state import AcceleratorState
 
-    from draftsmith.train import distill
+    from draftsmith.train import objective
     from draftsmith.train.distill import DistillRecipe
 
     AcceleratorState._reset_state(True)
@@ -233,7 +234,7 @@ def test_recipe_loss_past_the_budget_equals_the_kept_path(lm_head, tmp_path, mon
         batch = next(recipe._batches())
         want_loss, want = _recipe_loss_and_grads(recipe, batch)
         calls = []
-        monkeypatch.setattr(distill, "recompute_loss",
+        monkeypatch.setattr(objective, "recompute_loss",
                             lambda n, budget: calls.append(n) or True)
         shared_loss, shared = _recipe_loss_and_grads(recipe, batch)
         assert calls  # the shared table, chunks recomputed

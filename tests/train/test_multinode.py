@@ -213,12 +213,12 @@ def test_online_features_give_the_losses_of_the_offline_cache(fuse, tmp_path, mo
     # twin: online features one position late (the hidden state of the previous token) miss
     from draftsmith.data import features
 
-    forward = features._forward
+    forward = features.target_features
 
     def late(*args):
         return [{k: v.roll(1, 0) for k, v in f.items()} for f in forward(*args)]
 
-    monkeypatch.setattr(features, "_forward", late)
+    monkeypatch.setattr(features, "target_features", late)
     run_inprocess(common + ["data.features=online", f"data.cache.dir={tmp_path / 'c'}",
                             f"out_dir={tmp_path / 'late'}"])
     losses = [r["loss"] for r in map(json.loads, (tmp_path / "late" / "train_log.jsonl")

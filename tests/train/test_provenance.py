@@ -95,7 +95,7 @@ def test_the_same_config_resumes_and_counts_on(first_run, tmp_path, caplog):
         before["tokens_total"] > 0
     assert last["step"] == 5 and last["tokens_total"] == before["tokens_total"] + last["tokens"]
     assert not list(out.glob("previous-*"))
-    assert load_package(out / "draft").kind == "medusa"
+    assert load_package(out / "draft").family.name == "medusa"
 
 
 def test_resume_false_starts_over_and_moves_the_earlier_run_aside(first_run, tmp_path, caplog):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from draftsmith.data.features import logit_softcap, teacher_log_normalizer, teacher_logits
-from draftsmith.train.losses import DistillLoss, shared_teacher_rows, teacher_log_probs
+from draftsmith.data.teacher import logit_softcap, teacher_log_normalizer, teacher_logits
+from draftsmith.train.losses import DistillLoss
 from draftsmith.train.metrics import acceptance_stats
+from draftsmith.train.teacher_probs import shared_teacher_rows, teacher_log_probs
 
 CAP = 2.0  # small, so random logits reach it
 
