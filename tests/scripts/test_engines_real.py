@@ -8,6 +8,7 @@ engine is a failure, not a skip: the row carries the install error.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,25 @@ def test_the_dflash_drafter_runs_in_vllm_with_our_acceptance(tmp_path):
     assert row["acceptance_within_10pct"], (row["engine_acceptance"], row["our_acceptance"])
     assert len(row["our_acceptance"]) == 7 and row["our_acceptance"][0] > 0.05, row
     assert row["k"] == 7 and row["engine_speedup"] > 0, row  # the block's K, paired speed
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.engines("llama_server")
+@pytest.mark.skipif(os.environ.get("DRAFTSMITH_LLAMA_SERVER") != "1",
+                    reason="builds llama.cpp (15-30 min) and runs two servers: make engines, or "
+                           "DRAFTSMITH_LLAMA_SERVER=1")
+@pytest.mark.parametrize("draft,fmt", [(RELEASE, "gguf (eagle3)"), (DFLASH, "gguf (dflash)")])
+def test_llama_server_runs_our_gguf_drafts_losslessly_with_our_acceptance(tmp_path, draft, fmt):
+    """llama.cpp's own llama-server (built once from the pinned sdist) with the EAGLE-3 release
+    and the DFlash preview as format=gguf: it loads them, its greedy output is its plain output
+    and ours, it accepts what our decoder accepts, and it reports its own paired speedup."""
+    cfg = OmegaConf.load(REPO / "conf" / "eval" / "engines.yaml")
+    cfg = OmegaConf.merge(cfg, {"drafts": [str(draft)], "engines": ["llama_server"],
+                                "limit": 3, "max_new_tokens": 32, "sweep": [1],
+                                "sweep_prompts": 1, "out": str(tmp_path / "engines.json")})
+    (row,) = engines.run(cfg)
+    assert row["format"] == fmt and row["loads"] and not row.get("error"), row.get("error")
+    assert row["greedy_identical_to_engine_plain"] and row["greedy_identical_to_ours"], row
+    assert row["acceptance_within_10pct"], (row["engine_acceptance"], row["our_acceptance"])
+    assert row["engine_speedup"] > 0 and row["engine_best_k"] in (1, row["k"]), row
