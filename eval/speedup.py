@@ -7,7 +7,8 @@ several interleaved: plain before and after, or rounds); the speedup is the medi
 ratios over the units. A unit whose baseline took no time has no ratio.
 
 The one definition for every tool that reports a speedup: ``eval/session.py`` (decode, measure,
-batches), ``scripts/bench.py``, ``scripts/bench_fallback.py`` and ``scripts/bench_batch.py``.
+batches), ``scripts/bench.py``, ``scripts/bench_fallback.py``, ``scripts/bench_batch.py`` and the
+engines (``scripts/engine_speed.py``).
 """
 from __future__ import annotations
 

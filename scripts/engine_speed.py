@@ -6,16 +6,16 @@ the speedup, its spread and the noise flag, with the rules of the decoder's own 
 (``eval/session.py`` :class:`~draftsmith.eval.session.Paired`): a prompt's ratio is its
 speculative tokens/s over the mean of its two plain tokens/s, the speedup is the median ratio,
 and the run is noisy when more than a quarter of the prompts had plain runs further apart than
-``noise_tolerance`` of their mean. It is a pure function of those numbers, so that one shared
-implementation can take its place.
+``noise_tolerance`` of their mean. The ratios are ``eval/speedup.py``'s paired speedup, the
+one definition every tool uses; this module adds the engines' noise flag and report row.
 """
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from draftsmith.eval.session import NOISE_TOLERANCE, NOISY_SHARE
+from draftsmith.eval.speedup import paired_speedup as paired_runs
 
 
 @dataclass(frozen=True)
@@ -53,19 +53,14 @@ def paired_speedup(plain_before: Sequence[float], spec: Sequence[float],
                          f"{len(spec)}, {len(plain_after)}")
     if not float(noise_tolerance) >= 0:
         raise ValueError(f"noise_tolerance must be >= 0, got {noise_tolerance}")
-    ratios, drift = [], []
-    for a, s, b in zip(plain_before, spec, plain_after):
-        base = (a + b) / 2
-        if base <= 0:
-            continue
-        ratios.append(s / base)
-        drift.append(abs(a - b) / base)
+    paired = paired_runs(list(spec), [(a, b) for a, b in zip(plain_before, plain_after)])
+    drift = [d for d, r in zip(paired.base_drift, paired.per_unit) if r is not None]
     noisy_prompts = sum(d > noise_tolerance for d in drift)
     return PairedSpeed(
-        speedup=statistics.median(ratios) if ratios else None,
-        spread=(min(ratios), max(ratios)) if ratios else None,
+        speedup=paired.median, spread=paired.spread,
         noisy=noisy_prompts > NOISY_SHARE * len(drift) if drift else None,
-        noisy_prompts=noisy_prompts, prompts=len(ratios), ratios=ratios, plain_drift=drift)
+        noisy_prompts=noisy_prompts, prompts=len(paired.ratios), ratios=paired.ratios,
+        plain_drift=drift)
 
 
 def from_timings(prompts: Sequence[dict], noise_tolerance: float = NOISE_TOLERANCE) -> PairedSpeed:
