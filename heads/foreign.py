@@ -18,6 +18,7 @@ import torch
 from draftsmith.data.identity import tokenizer_sha256
 from draftsmith.data.packaged import PKG_PREFIX
 from draftsmith.heads.draft_lm import DraftLMConfig
+from draftsmith.heads.family import get_family
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def model_as_draft(source: str | Path, target: Any, dtype: torch.dtype = torch.f
     head = DraftLMConfig.matching(cfg, int(cfg.num_hidden_layers), init="model")
     info = {"draft_kind": "lm", "foreign": str(source), "draft_name": model.identity.name,
             "target": target.identity.to_dict()}
-    return DraftPackage(kind="lm", module=model.model.eval(), head_config=head,
+    return DraftPackage(family=get_family("lm"), module=model.model.eval(), head_config=head,
                         identity=target.identity, speculation=None,
                         path=model.path if model.path is not None else Path(str(source)),
                         info=info)

@@ -176,7 +176,7 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     dec.round_clock = plain.round_clock = CLOCKS[str(cfg.clock)]
     res = session.paired(dec, loaded.model, records, sampling, eos, plain=plain)
     row = {"method": method, "date": environment(cfg.device)["date"], "clock": str(cfg.clock),
-           "draft_kind": proposer.kind,
+           "draft_kind": proposer.name,
            "k": k, "k_source": k_source,
            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
            **summarize(dec.round_log, plain.round_log),

@@ -220,7 +220,10 @@ def test_measure_picks_a_medusa_tree_that_decode_uses(decode_setup, tmp_path):
     plan = settle({**PLAN, "dtype": "float32"}, medusa)
     assert (list(plan.options["medusa_branching"]), plan.k_source) == (tree["branching"],
                                                             "speculation.json (tree)")
-    plan = settle({**PLAN, "dtype": "bfloat16"}, medusa)  # measured in another dtype
+    plan = settle({**PLAN, "dtype": "bfloat16"}, medusa)  # measured in another dtype: the nearest
+    assert list(plan.options["medusa_branching"]) == tree["branching"]  # record, said so
+    assert plan.k_source.startswith("speculation.json (float32's record: nearest measured")
+    plan = settle({**PLAN, "dtype": "bfloat16", "device": "cuda"}, medusa)  # no record there
     assert (plan.options["medusa_branching"], plan.k_source[:7]) == ((4, 2, 2, 1), "default")
     # K* = 0 and the best tree a loss too: the default is plain decoding
     update_package_json(pkg, "speculation.json", {**rec, "k_star": 0,
@@ -283,7 +286,10 @@ def test_draft_vocab_is_measured_and_decoded_losslessly(decode_setup, tmp_path, 
     assert summary["draft_vocab"] == 20 and summary["matches_baseline"] == 1.0
     assert _decode(decode_setup, pkg, "limit=1", "baseline=false", "draft_vocab=full")["summary"][
         "draft_vocab"] is None
-    assert settle({**PLAN, "dtype": "bfloat16"}, load_package(pkg)).draft_vocab is None
+    # another dtype takes the nearest record (float32's); another device type has none
+    assert settle({**PLAN, "dtype": "bfloat16"}, load_package(pkg)).draft_vocab == 20
+    assert settle({**PLAN, "dtype": "bfloat16", "device": "cuda"},
+                  load_package(pkg)).draft_vocab is None
     # an export carries the counts with speculation.json and decodes the same way
     exp = export_package(pkg, "hf" if kind == "lm" else "eagle", tmp_path / "export",
                          target=decode_setup["loaded"])

@@ -32,13 +32,15 @@ def test_real_qwen_target_is_the_pinned_chat_model(qwen_small):
 
 
 def test_real_qwen_target_every_standin_proposer_is_exact(qwen_small, tmp_path):
-    # the draft LM and EAGLE stand-ins (chain and tree), prompt lookup and plain decoding; Medusa's
-    # stand-in heads would each hold a 151,936-row LM head: left to the SmolLM2 check
+    # the draft LM and EAGLE stand-ins (chain and tree), prompt lookup, the suffix proposer and
+    # plain decoding; Medusa's stand-in heads would each hold a 151,936-row LM head and the
+    # hybrids double the time: both left to the SmolLM2 check
     res = exactness.run_overrides(["prompts=[humaneval,sharegpt]", "per_set=1",
                                    "max_new_tokens=16", "drafts=[]", "k=3", "~standins.medusa",
                                    "standins.lm.num_layers=1", "tree_topk=3", "tree_size=8",
-                                   f"out={tmp_path / 'exactness.json'}"], qwen_small)
-    assert set(res["proposers"]) == {"plain", "lookup", "lm-chain@untrained",
+                                   "suffix=false", f"out={tmp_path / 'exactness.json'}"],
+                                  qwen_small)
+    assert set(res["proposers"]) == {"plain", "lookup", "suffix", "lm-chain@untrained",
                                      "lm-tree@untrained", "eagle-chain@untrained",
                                      "eagle-tree@untrained"}
     assert len(res["references"]) == 2

@@ -121,7 +121,7 @@ def test_a_draft_lm_starts_from_a_sibling_model_sharing_the_vocabulary(warm_cach
     summary = _run_inprocess(TINY + ["draft=lm", f"draft.init_from={sibling}",
                                      "train.max_steps=2", f"out_dir={out}"])
     pkg = load_package(out / "draft")
-    assert pkg.kind == "lm" and pkg.module.config.num_hidden_layers == 1
+    assert pkg.family.name == "lm" and pkg.module.config.num_hidden_layers == 1
     assert pkg.head_config.init == "model" and summary["alpha_hat_init"] != summary["alpha_hat"]
     start = load_target_weights(sibling)
     trained = pkg.module.state_dict()
