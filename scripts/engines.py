@@ -237,10 +237,8 @@ def compare(engine: str, fmt: str, export: Path, cfg: DictConfig, loaded: Any,
                                     if mine.get("drafted") else None),
                our_tokens_per_s=mine.get("tokens_per_s"), engine_counters=spec,
                **engine_speed(res, k, cfg))
-    # per position where the engine counts per position, else its overall rate; llama-server's
-    # rate (its responses' draft_n_accepted / draft_n) is checked too. vLLM's overall counters
-    # count drafted slots otherwise than ours (the DFlash preview: 0.081 against 0.084 at the
-    # first slot, the overall rates over 10% apart), so its per-position counters are the check
+    # per position where the engine counts so, else the overall rate; llama-server's rate too
+    # (vLLM counts drafted slots otherwise than ours: its positions are the check)
     pairs = [within(a, b) for a, b in zip(engine_acc, our_acc) if a is not None and b]
     rate = within(row["engine_acceptance_rate"], row["our_acceptance_rate"])
     ok = all(pairs) if pairs else rate is True
