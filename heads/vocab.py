@@ -111,3 +111,35 @@ def build_vocab_map(token_counts: Tensor, draft_vocab_size: int,
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[d2t] = True
     return d2t, t2d
+
+
+def cut_draft_vocab(state: dict[str, Tensor], counts: Tensor, size: int,
+                    always_include: Sequence[int] = ()) -> dict[str, Tensor]:
+    """A reduced-vocabulary head's stored tensors cut to its ``size`` most frequent draft ids.
+
+    The kept rows are the head's own ids ranked by ``counts`` (ties: the smaller target id), plus
+    ``always_include`` where the head has them (e.g. EOS), in the head's order; ``d2t``, ``t2d``
+    and the LM head's rows follow: the head drafts over that subset as the full head does over a
+    decode-time subset (``eval/decode.py draft_vocab=N``, the same counts), with an LM head
+    ``size`` rows tall.
+
+    Raises:
+        ValueError: the state is not a reduced-vocabulary head's, or ``size`` is not below its
+            draft vocabulary.
+    """
+    if "d2t" not in state or "lm_head.weight" not in state:
+        raise ValueError("draft_vocab applies to reduced-vocabulary EAGLE heads (d2t / t2d maps "
+                         "and their own LM head); this package has none: omit draft_vocab")
+    d2t = state["d2t"].long()
+    if not 0 < size < d2t.numel():
+        raise ValueError(f"draft_vocab={size}: the head drafts over {d2t.numel()} ids; choose a "
+                         f"smaller positive number, or omit draft_vocab to keep them all")
+    score = torch.as_tensor(counts).flatten().to(torch.float64)[d2t]
+    forced = torch.isin(d2t, torch.as_tensor(list(always_include), dtype=torch.long))
+    score = torch.where(forced, torch.inf, score)
+    order = sorted(range(d2t.numel()), key=lambda i: (-float(score[i]), int(d2t[i])))
+    rows = torch.tensor(sorted(order[:size]), dtype=torch.long)
+    t2d = torch.zeros_like(state["t2d"], dtype=torch.bool)
+    t2d[d2t[rows]] = True
+    return {**state, "d2t": d2t[rows].to(state["d2t"].dtype), "t2d": t2d,
+            "lm_head.weight": state["lm_head.weight"][rows]}

@@ -8,7 +8,8 @@ Training keeps fp32 master weights; a release stores them in ``dtype`` (bf16 by 
 weights a bf16 decode uses unchanged; fp32 decoding casts them back exactly); an int8 package
 (``scripts/quantize.py``) stores its quantized Linears as int8 with per-channel scales
 (``heads.weights.int8_state``: the int8 its decode uses, half the bytes). Weights over
-``max_shard_mb`` go into shards. Integer and bool
+``max_shard_mb`` go into shards; ``draft_vocab=N`` keeps a reduced-vocabulary head's N most
+frequent draft ids (an LM head N rows tall). Integer and bool
 buffers (an EAGLE-3 head's d2t / t2d maps) are kept. ``release.json`` records the source
 package's manifest sha256, the command and the date. The source is verified first (its manifest
 and target identity, and its signature: a trusted signer), and ``out`` must not be the source or
@@ -43,6 +44,7 @@ from draftsmith.eval import CONF_DIR
 from draftsmith.heads.family import get_family
 from draftsmith.heads.manifest import MANIFEST
 from draftsmith.heads.package import PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.heads.vocab import cut_draft_vocab, package_token_counts
 from draftsmith.heads.weights import (
     SCALE,
     int8_state,
@@ -58,9 +60,12 @@ TRAIN = ("accelerate", "launch", "--config_file", "conf/accelerate/single.yaml",
 
 
 def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
-            command: str | None = None, max_shard_mb: float | None = None) -> Path:
+            command: str | None = None, max_shard_mb: float | None = None,
+            draft_vocab: int | None = None) -> Path:
     """Write the release folder ``out`` from the package ``draft``; returns ``out``. Weights
-    over ``max_shard_mb`` MB (None: no bound) are stored in shards of at most that size."""
+    over ``max_shard_mb`` MB (None: no bound) are stored in shards of at most that size;
+    ``draft_vocab``: a reduced-vocabulary head keeps only its that many most frequent draft ids
+    (``heads.vocab.cut_draft_vocab``, ranked by the package's token counts)."""
     src, dst = Path(draft).resolve(), Path(out).resolve()
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
@@ -80,7 +85,11 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
     def write(tmp: Path) -> None:
         # an int8 package: its quantized Linears stored as the int8 a decode uses (computed from
         # the trained float32 weights, as its load would), the rest in dtype
-        state = int8_state(load_weights(src), int8)
+        state = load_weights(src)
+        if draft_vocab is not None:
+            state = _cut(state, info, src, int(draft_vocab))
+            (tmp / PACKAGE_JSON).write_text(json.dumps(info, indent=2))
+        state = int8_state(state, int8)
         state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() and not k.endswith(SCALE)
                  else v for k, v in state.items()}
         bound = None if max_shard_mb is None else int(float(max_shard_mb) * 1e6)
@@ -88,12 +97,23 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
         source_manifest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
         record = {"source_package": str(draft), "source_manifest_sha256": source_manifest,
                   "weights_dtype": dtype, "command": command,
-                  "int8_modules": len(int8),
+                  "int8_modules": len(int8), "draft_vocab_cut": draft_vocab,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                       timespec="seconds")}
         (tmp / "release.json").write_text(json.dumps(record, indent=2))
 
     return derive_package(src, dst, tuple(weight_files(src)), write)
+
+
+def _cut(state: dict, info: dict, src: Path, size: int) -> dict:
+    """``state`` cut to ``size`` draft ids (the package's token counts rank them; EOS kept), and
+    ``info``'s head config updated to match, in place."""
+    eos = (info.get("target_config") or {}).get("eos_token_id")
+    vocab = int(state["t2d"].numel()) if "t2d" in state else 0
+    state = cut_draft_vocab(state, package_token_counts(src, vocab), size,
+                            [eos] if isinstance(eos, int) else list(eos or []))
+    info["head_config"]["draft_vocab_size"] = size
+    return state
 
 
 def recipe_steps(name: str, out: str | None = None) -> list[tuple[list[str], str | None]]:
@@ -148,7 +168,7 @@ def run(cfg: DictConfig, command: str | None = None) -> Path | None:
     if cfg.draft is None or cfg.out is None:
         sys.exit(f"draft= and out= are required (or recipe=)\n{USAGE}")
     out = release(str(cfg.draft), str(cfg.out), str(cfg.dtype), command=command,
-                  max_shard_mb=cfg.get("max_shard_mb"))
+                  max_shard_mb=cfg.get("max_shard_mb"), draft_vocab=cfg.get("draft_vocab"))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"release written to {out} ({size / 2**20:.1f} MiB)")
     return out

@@ -20,6 +20,7 @@ from draftsmith.heads.signing import (
     public_key_of,
     sign_folder,
 )
+from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
 from draftsmith.heads.weights import WEIGHTS, WEIGHTS_INDEX, load_weights
 from draftsmith.scripts.release import recipe_steps, release, run_recipe
 
@@ -212,3 +213,25 @@ def test_the_committed_release_loads_verifies_and_drafts_inside_its_vocabulary(r
     assert bool(t2d[proposed].all())
     rec = json.loads((root / "release.json").read_text())
     assert rec["weights_dtype"] == "bfloat16" and rec["command"].startswith("python scripts/")
+
+
+def test_release_draft_vocab_keeps_the_most_frequent_ids_and_their_rows(tmp_path):
+    _, head, target = _eagle3_package(tmp_path)  # 16 draft ids
+    counts = torch.arange(target.model.config.vocab_size, dtype=torch.long)  # rise with the id
+    src = save_package(tmp_path / "counted", "eagle", head, head.cfg, target.identity,
+                       extra_json={TOKEN_FREQUENCY: frequency_record(counts, "test")})
+    out = release(src, tmp_path / "rel", command="test", draft_vocab=6)
+    pkg = load_package(out, target=target)
+    d2t = pkg.module.d2t
+    eos = target.model.config.eos_token_id
+    forced = {eos} if isinstance(eos, int) and bool(head.t2d[eos]) else set()
+    top = sorted(head.d2t.tolist())[::-1]  # the head's ids, most frequent first (counts = id)
+    want = sorted(set(top[:6 - len(forced - set(top[:6]))]) | forced)
+    assert d2t.tolist() == want and pkg.info["head_config"]["draft_vocab_size"] == 6
+    assert torch.equal(torch.nonzero(pkg.module.t2d).flatten(), d2t)
+    rows = torch.isin(head.d2t, d2t).nonzero().flatten()
+    full = head.lm_head.weight.detach()[rows].to(torch.bfloat16)
+    assert torch.equal(pkg.module.lm_head.weight.detach().to(torch.bfloat16), full)
+    assert json.loads((out / "release.json").read_text())["draft_vocab_cut"] == 6
+    with pytest.raises(ValueError, match="draft_vocab=16: the head drafts over 16 ids"):
+        release(src, tmp_path / "rel2", command="test", draft_vocab=16)
