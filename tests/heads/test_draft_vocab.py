@@ -13,6 +13,7 @@ from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.decoding.proposal import DecodeContext, Sampling
 from draftsmith.eval.decoding.proposers import DraftLMProposer, head_rows
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.heads.quantize import Int8Linear
 from draftsmith.heads.vocab import (
     TOKEN_FREQUENCY,
     counts_from_record,
@@ -121,6 +122,13 @@ def test_head_rows_refuses_what_a_row_subset_would_change(target_model):
     cfg.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         head_rows(head, SUBSET, VOCAB, cfg)
+
+
+def test_head_rows_of_an_int8_lm_head_are_its_dequantized_rows(target_model):
+    head = Int8Linear(target_model.get_output_embeddings())
+    rows = head_rows(head, SUBSET, VOCAB)
+    assert torch.equal(rows, head.weight[SUBSET])  # the int8 values times their scales
+    assert not torch.equal(rows, target_model.get_output_embeddings().weight[SUBSET])
 
 
 def test_a_reduced_vocabulary_eagle_head_drafts_over_a_subset_of_its_own_ids(target_model):
