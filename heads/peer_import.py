@@ -232,6 +232,12 @@ def peer_as_draft(path: str | Path, target: Any) -> Any:
                 "checked against the target's shapes%s; it is never written back as draftsmith's",
                 peer.path, peer.fmt, f" (speculators {peer.version})" if peer.version else "",
                 " and embedding" if peer.embedding is not None else "")
+    types = peer.layer_config.get("layer_types") or []
+    if "sliding_attention" in types:
+        window = peer.layer_config.get("sliding_window")
+        log.warning("%s: its draft layer attends over a sliding window of %s tokens; the head "
+                    "attends over the whole context, so drafts past that many tokens of context "
+                    "can differ from the trainer's (decoding stays lossless)", peer.path, window)
     family = get_family("eagle")
     cfg = EagleConfig(draft_vocab_size=peer.draft_vocab_size, fuse_layers=list(peer.fuse_layers),
                       ttt_steps=peer.ttt_steps, layout="eagle3",

@@ -9,6 +9,8 @@ pins fight with the project's and with each other, and none of them goes into ``
 * ``llama_cpp``: llama-cpp-python, which builds llama.cpp from source (minutes, once).
 * ``speculators``: speculators' own loader (a plain install pulls CUDA torch: the CPU wheel is
   named with it).
+* ``modelopt`` (``make peers``): nvidia-modelopt 0.47.0 with transformers 5.8.1 (its ``hf`` extra
+  wants < 5.15) and accelerate, the parts its EAGLE-3 training imports.
 * ``specforge`` (``make peers``): SpecForge 0.2.0 pins torch 2.11, transformers 5.8.1 and
   sglang (a GPU server): it is installed ``--no-deps`` over the CPU torch, its transformers pin
   and its light dependencies.
@@ -41,6 +43,11 @@ ENVS = {  # engine -> what its environment installs and removes, and how it is c
     "speculators": {"install": ["speculators==0.9.0", "torch==2.13.0"],
                     "remove": ["torchvision", "torchaudio", "torchcodec"],
                     "check": "import speculators.models"},
+    # make peers: ModelOpt's speculative-decoding module with the Hugging Face stack it trains in
+    # (its [hf] extra adds DeepSpeed, diffusers, ... that EAGLE training does not import)
+    "modelopt": {"install": ["torch==2.13.0", "nvidia-modelopt==0.47.0", "transformers==5.8.1",
+                             "accelerate==1.15.0"],
+                 "remove": [], "check": "import modelopt.torch.speculative"},
     # make peers: SpecForge without sglang (--no-deps), over this machine's CPU torch
     "specforge": {"install": ["torch==2.13.0", "transformers==5.8.1", "accelerate", "datasets",
                               "pydantic", "pyyaml", "safetensors", "numpy", "tqdm", "psutil",

@@ -16,6 +16,10 @@ and writes one trainer's files; the writers import nothing of the peers' package
   where draftsmith counts it by the mask of the token after the one it predicts
   (``heads/eagle_ttt.py``). The validation rows follow the training rows, and the trainer's
   ``train_data_ratio`` splits them there.
+* **ModelOpt** (0.47.0, offline): one ``data_{i}.pt`` per row, ``{input_ids, loss_mask,
+  hidden_states (T, H) after the final norm, aux_hidden_states (T, k*H)}``; its loss counts a
+  position by the mask of the token it reads, as speculators' does, so the mask is shifted the
+  same way.
 * **SpecForge** (0.2.0, offline): one ``.ckpt`` per row, ``{input_ids (T,), loss_mask (T,),
   hidden_state (1, T, H) after the final norm, aux_hidden_state (1, T, k*H)}``.
 """
@@ -64,8 +68,8 @@ def sequences(dataset: Sequence, fuse_layers: Sequence[int]) -> Iterable[Row]:
 
 
 def shift_mask_for_speculators(loss_mask: torch.Tensor) -> torch.Tensor:
-    """The mask speculators needs to count the positions draftsmith counts: ``m'[j] =
-    m[j + 1]`` (0 at the end)."""
+    """The mask speculators (and ModelOpt) need to count the positions draftsmith counts:
+    ``m'[j] = m[j + 1]`` (0 at the end)."""
     out = torch.zeros_like(loss_mask)
     out[:-1] = loss_mask[1:]
     return out
@@ -126,6 +130,18 @@ def write_speculators(out: Path, train: Iterable[Row], val: Iterable[Row],
             "train_tokens": int(sum(lengths)), "mean_length": float(np.mean(lengths)),
             "max_length": int(max(lengths)), "d2t_path": str(d2t_path),
             "t2d_path": str(t2d_path)}
+
+
+def write_modelopt(out: Path, rows: Iterable[Row]) -> int:
+    """ModelOpt's offline rows (``data_{i}.pt``, see the module docstring); returns how many."""
+    out.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for n, row in enumerate(rows, start=1):
+        torch.save({"input_ids": row.input_ids.long(),
+                    "loss_mask": shift_mask_for_speculators(row.loss_mask).long(),
+                    "hidden_states": row.final.contiguous(),
+                    "aux_hidden_states": row.fused.contiguous()}, out / f"data_{n - 1}.pt")
+    return n
 
 
 def write_specforge(out: Path, rows: Iterable[Row]) -> int:

@@ -26,6 +26,10 @@ with equal settings, every checkpoint scored by one evaluator (``make peers``).
      forward KL (``--loss-fn kl_div``), AdamW, full attention in the layer, and none of its
      optional norms (``--no-norm-before-residual --no-norm-before-fc --no-norm-output``), so
      that it trains the layout engines serve and draftsmith's head reads.
+   * ModelOpt 0.47.0: its EAGLE-3 model code (``mtsp.convert``, offline, its own TTT loss)
+     in Hugging Face's ``Trainer`` through ``scripts/engine_runners/modelopt_train.py`` (what
+     its example script, absent from the wheel, does), the layer shaped like the target, then
+     its own EAGLE-3 export.
    * SpecForge 0.2.0: installed ``--no-deps`` in its own environment; tried, and its exact
      failure recorded when it does not train here.
 
@@ -59,7 +63,7 @@ from draftsmith.scripts.peers_data import log_tail, run_trainer, vocab_map
 from draftsmith.scripts.tooling import REPO, note, repo_path
 
 TOOL = "peers"
-TRAINERS = ("draftsmith", "speculators", "specforge")
+TRAINERS = ("draftsmith", "speculators", "modelopt", "specforge")
 PRECISIONS = {"bf16": ("bf16", "bfloat16"), "fp32": ("no", "float32")}  # ours, the peers'
 
 
@@ -152,6 +156,7 @@ def speculators_args(s: Settings, data: dict, verifier: Path, save_path: Path,
             "--total-seq-len", str(budget), "--train-data-ratio",
             f"{data['train_data_ratio']:.6f}", "--hidden-states-dtype", dtype,
             "--num-workers", "0", "--seed", str(s.seed), "--log-freq", "10",
+            "--log-dir", str(save_path.parent / "logs"),
             "--on-missing", "raise", "--no-resume-from-checkpoint"]
 
 
@@ -250,6 +255,7 @@ def _own_version() -> str:
 def run(cfg: DictConfig, command: str) -> dict:
     """The whole comparison; returns the results (also written to ``out_dir``)."""
     from draftsmith.scripts import peers_report
+    from draftsmith.scripts.peers_modelopt import train_modelopt
     from draftsmith.scripts.peers_specforge import train_specforge
 
     s = equal_settings(cfg)
@@ -259,7 +265,7 @@ def run(cfg: DictConfig, command: str) -> dict:
     prep = prepare(cfg, s)
     note(TOOL, f"data ready in {prep['feature_s']:.0f} s: {prep['train_dir'].parent}")
     trainers = {"draftsmith": train_draftsmith, "speculators": train_speculators,
-                "specforge": train_specforge}
+                "modelopt": train_modelopt, "specforge": train_specforge}
     rows = []
     for name in cfg.trainers:
         row = trainers[name](cfg, s, prep, work)

@@ -150,3 +150,37 @@ def test_specforge_rows_and_config(tmp_path):
     assert cfg["model"]["aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang counts outputs
     assert cfg["model"]["lm_head_key"] == "model.embed_tokens.weight"
     assert cfg["training"]["ttt_length"] == 3 and cfg["training"]["max_steps"] == 40
+
+
+def test_modelopt_rows_and_job_carry_the_equal_settings(tmp_path):
+    from conftest import tiny_llama
+
+    from draftsmith.scripts.peers_modelopt import modelopt_job
+
+    rows = _rows(2)
+    assert peers_data.write_modelopt(tmp_path / "data", iter(rows)) == 2
+    got = torch.load(tmp_path / "data" / "data_0.pt")
+    assert torch.equal(got["loss_mask"][:-1], rows[0].loss_mask[1:].long())  # shifted as above
+    assert torch.equal(got["aux_hidden_states"], rows[0].fused)
+
+    class _Loaded:
+        path = tmp_path
+        model = tiny_llama(layers=4)
+
+    s = peers_train.equal_settings(_cfg(steps=30, warmup_steps=3, lr=0.004))
+    job = modelopt_job(s, {"loaded": _Loaded(), "fuse_layers": [1, 2, 3], "draft_vocab_size": 40},
+                       tmp_path, tmp_path / "d2t.pt")
+    arch, tc = job["eagle"]["eagle_architecture_config"], _Loaded.model.config
+    assert arch["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # ModelOpt counts outputs
+    assert (arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"],
+            arch["intermediate_size"]) == (tc.num_attention_heads, tc.num_key_value_heads,
+                                           tc.hidden_size // tc.num_attention_heads,
+                                           tc.intermediate_size)  # not its Llama-3-8B default
+    assert arch["rope_theta"] == tc.rope_parameters["rope_theta"] and arch["use_last_layernorm"]
+    assert job["eagle"]["eagle_ttt_steps"] == 3 and job["eagle"]["eagle_loss_decay_factor"] == 0.8
+    assert job["eagle"]["eagle_use_torch_compile"] is False
+    t = job["training"]
+    assert (t["max_steps"], t["warmup_steps"], t["learning_rate"]) == (30, 3, 0.004)
+    assert t["per_device_train_batch_size"] == 4 and t["lr_scheduler_type"] == "cosine"
+    assert (t["adam_beta1"], t["adam_beta2"], t["weight_decay"]) == (0.9, 0.999, 0.0)
+    assert t["bf16"] is True and t["use_cpu"] is True and t["max_grad_norm"] == 1.0
