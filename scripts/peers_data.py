@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.scripts.tooling import note
+from draftsmith.scripts.tooling import note, repo_path
 
 SPECULATORS_HS = "hidden_states"  # speculators' FileTransfer folder under the data path
 
@@ -169,6 +169,17 @@ def vocab_map(prep: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     eos = model.config.eos_token_id
     return build_vocab_map(counts, prep["draft_vocab_size"],
                            [eos] if isinstance(eos, int) else list(eos or []))
+
+
+def peer_python(engine: str, engines_dir: str) -> tuple[Path | None, str | None]:
+    """The Python of a peer's environment (``scripts/engine_envs.py``, made on first use), or
+    None and why it could not be made."""
+    from draftsmith.scripts.engine_envs import ensure_env
+
+    try:
+        return ensure_env(engine, repo_path(engines_dir)), None
+    except Exception as e:  # noqa: BLE001 (recorded: the comparison goes on without it)
+        return None, f"environment: {str(e)[-1500:]}"
 
 
 def run_trainer(name: str, cmd: list[str], log: Path, timeout_s: float, threads: int,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.scripts.tooling import REPO, repo_path
+from draftsmith.scripts.tooling import REPO
 
 
 def modelopt_job(s: Any, prep: dict, out: Path, d2t_path: Path) -> dict:
@@ -50,9 +50,10 @@ def modelopt_job(s: Any, prep: dict, out: Path, d2t_path: Path) -> dict:
 def train_modelopt(cfg: DictConfig, s: Any, prep: dict, work: Path) -> dict:
     """Make the environment, write the data, train, export; the row (or the exact failure)."""
     from draftsmith.data.feature_data import FeatureDataset
-    from draftsmith.scripts.engine_envs import engine_env, ensure_env
+    from draftsmith.scripts.engine_envs import engine_env
     from draftsmith.scripts.peers_data import (
         log_tail,
+        peer_python,
         run_trainer,
         sequences,
         vocab_map,
@@ -61,10 +62,9 @@ def train_modelopt(cfg: DictConfig, s: Any, prep: dict, work: Path) -> dict:
 
     row: dict[str, Any] = {"trainer": "modelopt", "version": "0.47.0"}
     out = work / "modelopt"
-    try:
-        python = ensure_env("modelopt", repo_path(cfg.engines_dir))
-    except Exception as e:  # noqa: BLE001 (recorded: the comparison goes on without it)
-        return {**row, "error": f"environment: {str(e)[-1500:]}"}
+    python, why = peer_python("modelopt", cfg.engines_dir)
+    if python is None:
+        return {**row, "error": why}
     write_modelopt(out / "data", sequences(FeatureDataset(prep["train_dir"]),
                                            prep["fuse_layers"]))
     d2t, _ = vocab_map(prep)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.scripts.tooling import REPO, repo_path
+from draftsmith.scripts.tooling import REPO
 
 
 def specforge_config(s: Any, prep: dict, data_dir: Path, vocab: Path, out: Path) -> dict:
@@ -46,9 +46,10 @@ def train_specforge(cfg: DictConfig, s: Any, prep: dict, work: Path) -> dict:
     import yaml
 
     from draftsmith.data.feature_data import FeatureDataset
-    from draftsmith.scripts.engine_envs import engine_env, ensure_env
+    from draftsmith.scripts.engine_envs import engine_env
     from draftsmith.scripts.peers_data import (
         log_tail,
+        peer_python,
         run_trainer,
         sequences,
         vocab_map,
@@ -57,10 +58,9 @@ def train_specforge(cfg: DictConfig, s: Any, prep: dict, work: Path) -> dict:
 
     row: dict[str, Any] = {"trainer": "specforge", "version": "0.2.0"}
     out = work / "specforge"
-    try:
-        python = ensure_env("specforge", repo_path(cfg.engines_dir))
-    except Exception as e:  # noqa: BLE001 (recorded: the comparison goes on without it)
-        return {**row, "error": f"environment: {str(e)[-1500:]}"}
+    python, why = peer_python("specforge", cfg.engines_dir)
+    if python is None:
+        return {**row, "error": why}
     rows = write_specforge(out / "data", sequences(FeatureDataset(prep["train_dir"]),
                                                     prep["fuse_layers"]))
     d2t, t2d = vocab_map(prep)

@@ -211,15 +211,14 @@ def train_draftsmith(cfg: DictConfig, s: Settings, prep: dict, work: Path) -> di
 def train_speculators(cfg: DictConfig, s: Settings, prep: dict, work: Path) -> dict:
     from draftsmith.data.feature_data import FeatureDataset
     from draftsmith.heads.eagle import effective_norm_weight
-    from draftsmith.scripts.engine_envs import engine_env, ensure_env
-    from draftsmith.scripts.peers_data import sequences, write_speculators
+    from draftsmith.scripts.engine_envs import engine_env
+    from draftsmith.scripts.peers_data import peer_python, sequences, write_speculators
 
     out, model = work / "speculators", prep["loaded"].model
     row: dict[str, Any] = {"trainer": "speculators"}
-    try:
-        python = ensure_env("speculators", repo_path(cfg.engines_dir))
-    except Exception as e:  # noqa: BLE001 (recorded: the comparison goes on without it)
-        return {**row, "error": f"environment: {e}"}
+    python, why = peer_python("speculators", cfg.engines_dir)
+    if python is None:
+        return {**row, "error": why}
     d2t, t2d = vocab_map(prep)
     fuse = prep["fuse_layers"]
     data = write_speculators(out, sequences(FeatureDataset(prep["train_dir"]), fuse),
