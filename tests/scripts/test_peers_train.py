@@ -184,3 +184,51 @@ def test_modelopt_rows_and_job_carry_the_equal_settings(tmp_path):
     assert t["per_device_train_batch_size"] == 4 and t["lr_scheduler_type"] == "cosine"
     assert (t["adam_beta1"], t["adam_beta2"], t["weight_decay"]) == (0.9, 0.999, 0.0)
     assert t["bf16"] is True and t["use_cpu"] is True and t["max_grad_norm"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.engines("speculators")
+def test_speculators_own_trainer_writes_a_checkpoint_that_decodes_losslessly(decode_setup,
+                                                                           tmp_path):
+    """speculators' trainer itself (its environment, the CPU wrapper) on rows written by
+    write_speculators for the tiny target; its checkpoint decodes through eval/decode.py with
+    plain decoding's outputs."""
+    import json
+    import subprocess
+
+    from draftsmith.eval import decode
+    from draftsmith.heads.eagle import effective_norm_weight
+    from draftsmith.scripts.engine_envs import engine_env, ensure_env
+
+    loaded = decode_setup["loaded"]
+    model, h = loaded.model, loaded.model.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for n in (40, 33, 47, 29, 38, 44):
+        ids = torch.randint(5, 96, (n,), generator=g)
+        with torch.no_grad():
+            hs = model(ids[None], output_hidden_states=True).hidden_states
+        mask = torch.arange(n) >= n // 3
+        rows.append(peers_data.Row(ids, mask, torch.cat([hs[0][0], hs[1][0]], -1), hs[2][0]))
+    d2t = torch.arange(0, 96, 2)
+    t2d = torch.zeros(96, dtype=torch.bool).index_fill_(0, d2t, True)
+    data = peers_data.write_speculators(tmp_path / "sp", iter(rows[:5]), iter(rows[5:]),
+                                        effective_norm_weight(model.model.norm, h), d2t, t2d)
+    s = peers_train.equal_settings(_cfg(steps=4, warmup_steps=1, sequences_per_step=2,
+                                        precision="fp32", threads=1))
+    args = peers_train.speculators_args(s, data, decode_setup["target"], tmp_path / "ck", [0, 1])
+    python = ensure_env("speculators", REPO / ".engines")
+    runner = REPO / "scripts" / "engine_runners" / "speculators_train.py"
+    done = subprocess.run([str(python), str(runner), str(tmp_path / "stats.json"), "1", "--",
+                           *args], capture_output=True, text=True, timeout=900,
+                          env=engine_env("speculators", python.parents[1]), check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["steps"] == 4 and stats["trained_tokens"] > 0, stats
+    ckpt = tmp_path / "ck" / str(stats["checkpoint_epoch"])
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["norm_before_fc"] is False
+    run = decode.run_overrides([f"draft={ckpt}", f"target_path={decode_setup['target']}",
+                                f"prompts={decode_setup['questions']}", "limit=2",
+                                "max_new_tokens=12", "temperature=0", "k=3", "suffix=false"])
+    assert run["summary"]["matches_baseline"] == 1.0 and run["summary"]["draft_kind"] == "eagle"
