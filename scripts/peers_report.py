@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from draftsmith.eval.machine import environment
@@ -28,6 +29,7 @@ def score_alpha(checkpoint: str, prep: dict, cfg: DictConfig) -> dict:
     from draftsmith.data.feature_data import open_features
     from draftsmith.data.teacher import logit_softcap
     from draftsmith.eval.draft import load_draft
+    from draftsmith.scripts.peers_data import vocab_map
     from draftsmith.train.trainable import DistillModule, TrainableDraft
     from draftsmith.train.validation import validate_draft
 
@@ -35,6 +37,8 @@ def score_alpha(checkpoint: str, prep: dict, cfg: DictConfig) -> dict:
     model = loaded.model.float()
     pkg = load_draft(checkpoint, loaded)
     family, head = pkg.family, pkg.module.float().eval()
+    d2t_ref, _ = vocab_map(prep)
+    same_vocab = bool(torch.equal(family.draft_to_target(head, pkg.head_config).cpu(), d2t_ref))
     val = open_features(prep["val_dir"], model)
     n = int(head.cfg.ttt_steps)
     module = DistillModule(head, family.distill_targets,
@@ -43,9 +47,10 @@ def score_alpha(checkpoint: str, prep: dict, cfg: DictConfig) -> dict:
                            position_weights=[1.0] * n, identity=loaded.identity,
                            draft_to_target=family.draft_to_target(head, pkg.head_config))
     lm_head = model.get_output_embeddings().weight.detach()
-    return validate_draft(draft, val, Accelerator(cpu=True), int(cfg.eval.micro_batch_size),
-                          cfg.eval.eval_batches, float(cfg.eval.temperature), lm_head,
-                          logit_softcap(model.config))
+    got = validate_draft(draft, val, Accelerator(cpu=True), int(cfg.eval.micro_batch_size),
+                         cfg.eval.eval_batches, float(cfg.eval.temperature), lm_head,
+                         logit_softcap(model.config))
+    return {**got, "same_vocab_map": same_vocab}
 
 
 def decode_checkpoint(checkpoint: str, prep: dict, cfg: DictConfig, out: Path) -> dict:
@@ -53,10 +58,10 @@ def decode_checkpoint(checkpoint: str, prep: dict, cfg: DictConfig, out: Path) -
     from draftsmith.eval import decode
     from draftsmith.eval.sweep import outside_hydra
 
-    path = prep["loaded"].path
+    path = prep.get("target_path")  # as training named it (a package's identity is checked)
     overrides = [f"draft={checkpoint}", f"prompts={cfg.eval.prompts}", f"limit={cfg.eval.limit}",
                  f"max_new_tokens={cfg.eval.max_new_tokens}", f"out={out}",
-                 *([f"target_path={path}"] if path is not None else []), *cfg.eval.overrides]
+                 *([f"target_path={path}"] if path else []), *cfg.eval.overrides]
     with outside_hydra():
         return decode.run_overrides(overrides)["summary"]
 
@@ -78,7 +83,8 @@ def score_all(cfg: DictConfig, prep: dict, rows: list[dict], work: Path) -> list
             scored.append({**row, "error": f"scoring: {type(e).__name__}: {e}"})
             continue
         scored.append({**row, "alpha_hat": val["alpha_hat"], "top1": val["top1"],
-                       "val_tokens": val["tokens"], "tau": run["tau"],
+                       "val_tokens": val["tokens"], "same_vocab_map": val["same_vocab_map"],
+                       "tau": run["tau"],
                        "speedup": run["speedup"], "speedup_spread": run["speedup_spread"],
                        "noisy": run["noisy"], "lossless": run["lossless"],
                        "matches_baseline": run["matches_baseline"],
@@ -130,7 +136,8 @@ def write_results(out: Path, rows: list[dict], meta: dict) -> dict:
     """``out/results.json`` and ``out/README.md``; returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     keep = ("trainer", "version", "trained_tokens", "tokens_per_s", "train_loop_s",
-            "alpha_hat", "top1", "val_tokens", "tau", "speedup", "speedup_spread", "noisy",
+            "alpha_hat", "top1", "val_tokens", "same_vocab_map", "tau", "speedup",
+            "speedup_spread", "noisy",
             "lossless", "matches_baseline", "steps", "peak_rss_mib", "wall_s", "command",
             "checkpoint", "decode_run", "error")
     result = {"rows": [{k: r[k] for k in keep if k in r} for r in rows], "meta": meta,

@@ -180,13 +180,15 @@ def prepare(cfg: DictConfig, s: Settings) -> dict[str, Any]:
             f"experiment={cfg.experiment}", "data.features=offline",
             f"train.mixed_precision={PRECISIONS[s.precision][0]}", *cfg.data_overrides])
     resolve_auto_dtypes(dcfg)
-    loaded = load_target(target_path_from_config(dcfg.target),
+    target_path = target_path_from_config(dcfg.target)
+    loaded = load_target(target_path,
                          dtype=getattr(torch, dcfg.target.dtype),
                          chat_template=dcfg.target.get("chat_template"))
     resolve_target_defaults(dcfg, loaded.model.config)
     fuse = [int(i) for i in dcfg.draft.config.fuse_layers]
     train_dir, val_dir, report = prepare_data(dcfg.data, loaded, layers=fuse)
-    return {"loaded": loaded, "dcfg": dcfg, "train_dir": train_dir, "val_dir": val_dir,
+    return {"loaded": loaded, "target_path": target_path, "dcfg": dcfg,
+            "train_dir": train_dir, "val_dir": val_dir,
             "fuse_layers": fuse, "feature_s": time.perf_counter() - t0, "data_report": report,
             "draft_vocab_size": int(dcfg.draft.config.draft_vocab_size)}
 
@@ -198,7 +200,8 @@ def train_draftsmith(cfg: DictConfig, s: Settings, prep: dict, work: Path) -> di
            *cfg.data_overrides]
     code, wall, rss = run_trainer("draftsmith", cmd, work / "draftsmith.log", cfg.timeout_s,
                                   s.threads)
-    row = {"trainer": "draftsmith", "version": _own_version(), "command": " ".join(cmd[1:]),
+    row = {"trainer": "draftsmith", "version": _own_version(),
+           "command": " ".join(cmd[1:]).replace(f"{REPO}/", ""),
            "peak_rss_mib": round(rss), "wall_s": round(wall, 1)}
     if code != 0:
         return {**row, "error": f"exit {code}: {log_tail(work / 'draftsmith.log')}"}
