@@ -30,7 +30,8 @@ from pathlib import Path
 
 
 def main(job_path: str, stats_path: str) -> None:
-    import modelopt
+    from importlib.metadata import version
+
     import modelopt.torch.speculative as mtsp
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -44,7 +45,7 @@ def main(job_path: str, stats_path: str) -> None:
     files = sorted(Path(job["data"]).glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
     rows = [torch.load(p) for p in files]
     stats = {"trained_tokens": 0, "train_loop_s": 0.0, "steps": 0,
-             "version": getattr(modelopt, "__version__", None)}
+             "version": version("nvidia-modelopt")}
 
     def collate(batch: list[dict]) -> dict:
         n = max(len(r["input_ids"]) for r in batch)

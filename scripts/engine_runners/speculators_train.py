@@ -40,13 +40,14 @@ def main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    import speculators
+    from importlib.metadata import version
+
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.train import cli, trainer
     from speculators.train.config import TrainConfig
 
     stats = {"trained_tokens": 0, "train_loop_s": 0.0, "steps": 0,
-             "version": speculators.__version__ if hasattr(speculators, "__version__") else None}
+             "version": version("speculators")}
     no_accelerator = torch.accelerator.current_accelerator() is None
     trainer.get_local_rank = lambda: "cpu"  # 1.
     if no_accelerator:
