@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PINS = $(BIN)/python -m draftsmith.data.packaged requirements
 TARGET ?= qwen2p5_coder_1p5b
 
-.PHONY: install target gemma demo release test test-fast bench engines lint clean
+.PHONY: install target gemma demo release test test-fast bench engines peers lint clean
 
 # torch comes through pip, so that pip's configuration (an index or a folder of CPU wheels) picks
 # the build; uv installs the rest (the same packages as pip, ~35 s instead of ~2 min here), and
@@ -71,6 +71,9 @@ bench: $(STAMP)
 
 engines: $(STAMP)
 	$(BIN)/python scripts/engines.py $(ARGS)
+
+peers: $(STAMP)
+	$(BIN)/python scripts/peers_train.py $(ARGS)
 
 # Indentation, whitespace and blank lines between definitions (pycodestyle's E1, E2, E3, W391):
 # preview rules in ruff, named one by one so that no other preview rule comes with them. The

@@ -360,9 +360,11 @@ def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
 
     Args:
         draft: a package folder (``draftsmith.json``), an export folder (``manifest.json``
-            with ``export_format``: hf / eagle / speculators / medusa), or a causal LM sharing
-            the target's vocabulary, used off the shelf as a draft LM (``pkg:<key>`` or a model
-            folder: :mod:`draftsmith.heads.foreign`).
+            with ``export_format``: hf / eagle / speculators / medusa), an EAGLE-3 checkpoint
+            of another trainer (speculators, ModelOpt: :mod:`draftsmith.heads.peer_import`,
+            an unsigned import with a warning), or a causal LM sharing the target's
+            vocabulary, used off the shelf as a draft LM (``pkg:<key>`` or a model folder:
+            :mod:`draftsmith.heads.foreign`).
         loaded_target: the ``LoadedTarget`` the draft must have been trained for.
 
     Raises:
@@ -371,7 +373,14 @@ def load_draft(draft: str | Path, loaded_target: Any = None) -> Any:
     from draftsmith.heads.exports import import_export
     from draftsmith.heads.foreign import is_model_source, model_as_draft
     from draftsmith.heads.package import PACKAGE_JSON, load_package
+    from draftsmith.heads.peer_format import peer_format
+    from draftsmith.heads.peer_import import peer_as_draft
 
+    if peer_format(draft) is not None:  # another trainer's checkpoint, with a warning
+        if loaded_target is None:
+            raise ValueError(f"draft={draft} is another trainer's checkpoint: it is read against "
+                             "a loaded target (its shapes and embedding are checked)")
+        return peer_as_draft(draft, loaded_target)
     if loaded_target is not None and is_model_source(draft):  # off the shelf, with a warning
         return model_as_draft(draft, loaded_target)
     root = Path(str(draft)).expanduser()

@@ -136,7 +136,7 @@ def default_runner(settings: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _outside_hydra() -> Iterator[None]:
+def outside_hydra() -> Iterator[None]:
     """Set this Hydra app's global state aside while the decoder composes its own config.
 
     Hydra refuses a second ``initialize`` while the sweep's app is initialized; the state is
@@ -168,7 +168,7 @@ def run_decoder(overrides: list[str]) -> dict:
         raise RuntimeError("eval/decode.py is missing or does not import: method=spec needs "
                            f"the decoder CLI ({exc})") from exc
     if callable(getattr(decode, "run_overrides", None)):
-        with _outside_hydra():
+        with outside_hydra():
             return decode.run_overrides(list(overrides))
     out = (Path(os.environ.get("TMPDIR", "/tmp"))
            / f"draftsmith-decode-{os.getpid()}-{time.time_ns()}.json")

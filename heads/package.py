@@ -295,6 +295,9 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
     """
     root = Path(pkg_dir)
     if not (root / PACKAGE_JSON).is_file():
+        from draftsmith.heads.peer_format import refuse_peer
+
+        refuse_peer(root, "load as a package (to export, release, quantize or train on)")
         hint = ""
         if list(root.parent.glob(f"{root.name}.old-*")):
             hint = " (a previous save was interrupted; the old package is beside it as .old-<pid>)"

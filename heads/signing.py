@@ -275,7 +275,9 @@ def sign_folder(root: str | Path, private_key: str | Path | None = None) -> str:
     """
     from model_signing import signing
 
-    root = Path(root).resolve()
+    from draftsmith.heads.peer_format import refuse_peer
+
+    refuse_peer(root := Path(root).resolve(), "sign")  # a peer's checkpoint is never ours
     key_path = local_signing_key(private_key)
     public = _load_private(key_path).public_key()
     fp = fingerprint(public)

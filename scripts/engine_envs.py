@@ -9,6 +9,11 @@ pins fight with the project's and with each other, and none of them goes into ``
 * ``llama_cpp``: llama-cpp-python, which builds llama.cpp from source (minutes, once).
 * ``speculators``: speculators' own loader (a plain install pulls CUDA torch: the CPU wheel is
   named with it).
+* ``modelopt`` (``make peers``): nvidia-modelopt 0.47.0 with transformers 5.8.1 (its ``hf`` extra
+  wants < 5.15) and accelerate, the parts its EAGLE-3 training imports.
+* ``specforge`` (``make peers``): SpecForge 0.2.0 pins torch 2.11, transformers 5.8.1 and
+  sglang (a GPU server): it is installed ``--no-deps`` over the CPU torch, its transformers pin
+  and its light dependencies.
 * ``llama_server``: what llama.cpp's own converter (``convert_hf_to_gguf.py``) imports (torch,
   transformers at the converter's pin, sentencepiece; its gguf-py comes with the sources), and
   scikit-build-core, with which pip reads the llama-cpp-python sdist's metadata when it fetches
@@ -38,6 +43,16 @@ ENVS = {  # engine -> what its environment installs and removes, and how it is c
     "speculators": {"install": ["speculators==0.9.0", "torch==2.13.0"],
                     "remove": ["torchvision", "torchaudio", "torchcodec"],
                     "check": "import speculators.models"},
+    # make peers: ModelOpt's speculative-decoding module with the Hugging Face stack it trains in
+    # (its [hf] extra adds DeepSpeed, diffusers, ... that EAGLE training does not import)
+    "modelopt": {"install": ["torch==2.13.0", "nvidia-modelopt==0.47.0", "transformers==5.8.1",
+                             "accelerate==1.15.0"],
+                 "remove": [], "check": "import modelopt.torch.speculative"},
+    # make peers: SpecForge without sglang (--no-deps), over this machine's CPU torch
+    "specforge": {"install": ["torch==2.13.0", "transformers==5.8.1", "accelerate", "datasets",
+                              "pydantic", "pyyaml", "safetensors", "numpy", "tqdm", "psutil",
+                              "requests", "huggingface-hub"],
+                  "no_deps": ["specforge==0.2.0"], "remove": [], "check": "import specforge"},
     # llama.cpp's converter at its own pins (requirements-convert_hf_to_gguf.txt: transformers
     # 4.57.6, protobuf < 5), with this machine's CPU torch; gguf-py's own dependencies
     "llama_server": {"install": ["torch==2.13.0", "transformers==4.57.6", "sentencepiece",
@@ -102,13 +117,15 @@ def _make_env(engine: str, env: Path) -> None:
         install = [str(python), "-m", "pip", "install", "--no-compile"]
         remove = [str(python), "-m", "pip", "uninstall", "-y"]
     _sh(*install, "-q", *spec["install"])
+    if spec.get("no_deps"):
+        _sh(*install, "-q", "--no-deps", *spec["no_deps"])
     if spec["remove"]:
         _sh(*remove, "-q", *spec["remove"])
     done = subprocess.run([str(python), "-c", spec["check"]], capture_output=True, text=True,
                           env=engine_env(engine, env), check=False)
     if done.returncode:
         raise EngineUnavailable(f"{spec['check']} fails in {env}: {done.stderr[-2000:]}")
-    (env / READY).write_text(" ".join(spec["install"]) + "\n")
+    (env / READY).write_text(" ".join(spec["install"] + spec.get("no_deps", [])) + "\n")
 
 
 def engine_env(engine: str, env: Path) -> dict[str, str]:

@@ -44,6 +44,7 @@ from draftsmith.eval import CONF_DIR
 from draftsmith.heads.family import get_family
 from draftsmith.heads.manifest import MANIFEST
 from draftsmith.heads.package import PACKAGE_JSON, derive_package, verify_folder
+from draftsmith.heads.peer_format import refuse_peer
 from draftsmith.heads.vocab import cut_draft_vocab, package_token_counts
 from draftsmith.heads.weights import (
     SCALE,
@@ -71,6 +72,7 @@ def release(draft: str | Path, out: str | Path, dtype: str = "bfloat16",
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     if dst == src or src in dst.parents:
         raise ValueError(f"out={out} is the package or inside it; choose a folder outside {draft}")
+    refuse_peer(src, "release")
     if not (src / PACKAGE_JSON).is_file():
         raise ValueError(f"draft={draft} is not a draft package (no {PACKAGE_JSON})")
     verify_folder(src)

@@ -202,6 +202,22 @@ def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
     return save_package(setup["root"] / kind, kind, module, cfg, ident), fmt
 
 
+def eagle3_draft_logits(head, layers: dict, ids, steps: int = 2) -> list:
+    """An EAGLE-3 head drafting greedily from the last position of ``ids`` (``layers``: hidden
+    state id -> (1, T, H)): the target-vocabulary logits of each step."""
+    feats = torch.cat([layers[i] for i in head.cfg.fuse_layers], -1)
+    cache = head.new_cache()
+    out = head(feats, ids, past_key_values=cache)[:, -1:]
+    res = []
+    for _ in range(steps):
+        draft = head.compute_logits(out)[:, -1]
+        full = torch.full((1, head.vocab_size), float("-inf"))
+        full[:, head.d2t] = draft
+        res.append(full)
+        out = head(out, head.d2t[draft.argmax(-1)][:, None], past_key_values=cache)
+    return res
+
+
 # ----- the engines' environments, made while the other tests run ------------------------------
 _prefetch: subprocess.Popen | None = None
 

@@ -208,39 +208,15 @@ class DistillRecipe:
                  self.batch_in_epoch)
 
     # ------------------------------------------------------------------ metrics
-    @torch.no_grad()
     def validate(self) -> dict:
-        """Per draft position: expected acceptance sum(min(p, q)) and top-1 agreement."""
-        from draftsmith.train.metrics import acceptance_stats
+        """Per draft position: expected acceptance sum(min(p, q)) and top-1 agreement
+        (:func:`train.validation.validate_draft`)."""
+        from draftsmith.train.validation import validate_draft
 
-        model = self.draft.module
-        model.eval()
-        acc, sums = self.accelerator, None
-        loader = make_epoch_loader(self.val_set, self.cfg.train.micro_batch_size, seed=0, epoch=0,
-                                   shuffle=False, accelerator=acc, drop_last=False,
-                                   own_batches=self._own_batches(self.val_set, False))
-        limit = self.cfg.train.eval_batches
-        temp = float(self.cfg.loss.temperature)
-        for i, batch in enumerate(loader):
-            if limit is not None and i >= limit:
-                break
-            with acc.autocast():
-                outputs = self.draft.forward(batch)
-            stats = [acceptance_stats(pos.draft_logits, pos.mask, pos.teacher_hidden,
-                                      self.lm_head, temperature=temp,
-                                      draft_to_target=self.draft.draft_to_target,
-                                      softcap=self.softcap) for pos in outputs]
-            # (K, 3): per position, the sums of acceptance, of top-1 agreement and the count
-            batch_sums = torch.stack([torch.stack(tuple(st)) for st in stats]).to(
-                acc.device, torch.float64)
-            sums = batch_sums if sums is None else sums + batch_sums
-        model.train()
-        if sums is None:
-            sums = torch.zeros(self.draft.num_positions, 3, device=acc.device, dtype=torch.float64)
-        sums = acc.reduce(sums, reduction="sum")
-        n = sums[:, 2].clamp(min=1)
-        return {"alpha_hat": (sums[:, 0] / n).tolist(), "top1": (sums[:, 1] / n).tolist(),
-                "tokens": int(sums[0, 2].item()), "temperature": temp}
+        return validate_draft(self.draft, self.val_set, self.accelerator,
+                              self.cfg.train.micro_batch_size, self.cfg.train.eval_batches,
+                              float(self.cfg.loss.temperature), self.lm_head, self.softcap,
+                              own_batches=self._own_batches(self.val_set, False))
 
     # ------------------------------------------------------------------ the loop
     def _batches(self):

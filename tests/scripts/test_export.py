@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import eagle3_draft_logits, make_tiny_target
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -368,22 +368,6 @@ def _engine_eagle3(tensors: dict, tc: LlamaConfig, target_model, layers: dict,
     return outs
 
 
-def _our_eagle3(head, layers: dict, ids, steps: int = 2):
-    """Our head, drafting greedily: the target-vocabulary logits of each step at the last
-    position."""
-    feats = torch.cat([layers[i] for i in head.cfg.fuse_layers], -1)
-    cache = head.new_cache()
-    out = head(feats, ids, past_key_values=cache)[:, -1:]
-    res = []
-    for _ in range(steps):
-        draft = head.compute_logits(out)[:, -1]
-        full = torch.full((1, head.vocab_size), float("-inf"))
-        full[:, head.d2t] = draft
-        res.append(full)
-        out = head(out, head.d2t[draft.argmax(-1)][:, None], past_key_values=cache)
-    return res
-
-
 @pytest.mark.parametrize("fmt,width", [("eagle3", None), ("speculators", None), ("eagle3", 24),
                                        ("speculators", 24)])
 def test_eagle3_head_exports_exactly(tmp_path, fmt, width):
@@ -421,7 +405,7 @@ def test_eagle3_head_exports_exactly(tmp_path, fmt, width):
     with torch.no_grad():
         hs = target.model(ids, output_hidden_states=True).hidden_states
         layers = {i: hs[i] for i in (0, 1)}
-        ours = _our_eagle3(head, layers, ids)
+        ours = eagle3_draft_logits(head, layers, ids)
         engine = _engine_eagle3(tensors, tc, target.model, layers, ids)
         for a, b in zip(engine, ours):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -430,7 +414,7 @@ def test_eagle3_head_exports_exactly(tmp_path, fmt, width):
                               residual_normed=True)
         assert not torch.allclose(twin[0], ours[0], rtol=1e-2, atol=1e-2)
         back = import_export(out, target=target).module
-        for a, b in zip(_our_eagle3(back, layers, ids), ours):
+        for a, b in zip(eagle3_draft_logits(back, layers, ids), ours):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     if fmt == "eagle3":  # SGLang counts captured layers from the output of layer id
         sgl = export_package(pkg, fmt, tmp_path / "sglang", engine="sglang")
