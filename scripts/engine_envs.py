@@ -46,7 +46,7 @@ ENVS = {  # engine -> what its environment installs and removes, and how it is c
     # make peers: ModelOpt's speculative-decoding module with the Hugging Face stack it trains in
     # (its [hf] extra adds DeepSpeed, diffusers, ... that EAGLE training does not import)
     "modelopt": {"install": ["torch==2.13.0", "nvidia-modelopt==0.47.0", "transformers==5.8.1",
-                             "accelerate==1.15.0"],
+                             "accelerate==1.15.0", "requests"],
                  "remove": [], "check": "import modelopt.torch.speculative"},
     # make peers: SpecForge without sglang (--no-deps), over this machine's CPU torch
     "specforge": {"install": ["torch==2.13.0", "transformers==5.8.1", "accelerate", "datasets",

@@ -7,6 +7,7 @@ switches are ``SPECFORGE_DEVICE=cpu`` (gloo) and ``FSDP_SHARDING=NO_SHARD``. Its
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,17 @@ from omegaconf import DictConfig
 from draftsmith.scripts.tooling import REPO
 
 
+def draft_config(prep: dict) -> dict:
+    """The draft's config for SpecForge (its default draft vocabulary is 32,000 ids): the
+    layer draftsmith derives from the target, one layer, the shared draft vocabulary size."""
+    from draftsmith.heads.draft_config import draft_layer_config
+
+    cfg = draft_layer_config(prep["loaded"].model.config).to_dict()
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+               draft_vocab_size=prep["draft_vocab_size"])
+    return cfg
+
+
 def specforge_config(s: Any, prep: dict, data_dir: Path, vocab: Path, out: Path) -> dict:
     """SpecForge's run config for the equal settings ``s`` (a ``peers_train.Settings``)."""
     model = prep["loaded"].model
@@ -23,6 +35,7 @@ def specforge_config(s: Any, prep: dict, data_dir: Path, vocab: Path, out: Path)
     return {
         "run_id": "peers", "output_dir": str(out),
         "model": {"target_model_path": str(prep["loaded"].path),
+                  "draft_model_config": str(out.parent / "draft_config.json"),
                   "draft_num_hidden_layers": 1,
                   "lm_head_key": "model.embed_tokens.weight" if tied else "lm_head.weight",
                   "vocab_mapping_path": str(vocab),
@@ -66,6 +79,7 @@ def train_specforge(cfg: DictConfig, s: Any, prep: dict, work: Path) -> dict:
     d2t, t2d = vocab_map(prep)
     vocab = out / "vocab_mapping.pt"
     torch.save({"d2t": d2t - torch.arange(d2t.numel()), "t2d": t2d}, vocab)
+    (out / "draft_config.json").write_text(json.dumps(draft_config(prep), indent=1))
     config = out / "run.yaml"
     config.write_text(yaml.safe_dump(specforge_config(s, prep, out / "data", vocab,
                                                       out / "checkpoints")))
