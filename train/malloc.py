@@ -1,4 +1,5 @@
-"""The tuned allocator of the training commands, applied by restarting the process.
+"""The tuned allocator of the training commands, applied by restarting the process, and the
+bounds on the per-shape caches of a CPU's bf16 matmuls.
 
 Standard library only: a command calls :func:`restart_as_command` at the top of its module,
 before torch and the rest load, so the restart costs an interpreter start and not the ~5 s of
@@ -16,6 +17,14 @@ import sys
 # took a quickstart training step from 1.71 s to 0.74 s (see README, "Training throughput").
 TUNED_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 MALLOC_SWITCH = "DRAFTSMITH_MALLOC"  # "off": leave malloc alone; "tuned": already applied
+# oneDNN, which runs a CPU's bf16 matmuls, and PyTorch's ideep layer above it each keep what they
+# build for every matmul shape (primitives, JIT kernels), up to 1,024 shapes by default. Batches of
+# varying length bring new row counts every micro-batch, so both caches grew through the run, and
+# on the tuned heap their long-lived blocks, scattered among the freed (N, V) temporaries, kept
+# resident memory growing step after step (tests/train/test_trim.py: +0.8 MiB a new row count;
+# about 0.1 MiB with the caps). 128 shapes still hold a micro-batch's own, which its unrolled
+# steps and its backward reuse.
+SHAPE_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128"}
 
 
 def reexec_with_tuned_malloc() -> None:
@@ -36,12 +45,21 @@ def reexec_with_tuned_malloc() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def limit_shape_caches() -> None:
+    """Bound oneDNN's and ideep's per-shape caches (``SHAPE_CACHES``), keeping the user's own
+    values. Both libraries read their variable when they first build a matmul, so this holds
+    for a process that has not run a bf16 matmul yet (and for the processes it starts)."""
+    for key, value in SHAPE_CACHES.items():
+        os.environ.setdefault(key, value)
+
+
 def restart_as_command(module_name: str, command: str) -> None:
-    """:func:`reexec_with_tuned_malloc` when this process was started as the command whose
-    module calls this with its ``__name__``: run by path or ``python -m`` (``__main__``), or as
-    its console script ``command`` (``draftsmith-distill``, whose wrapper imports the module
-    before calling it). A module merely imported by another program (tests, the demo) does not
-    restart its host."""
+    """:func:`limit_shape_caches` and :func:`reexec_with_tuned_malloc` when this process was
+    started as the command whose module calls this with its ``__name__``: run by path or
+    ``python -m`` (``__main__``), or as its console script ``command`` (``draftsmith-distill``,
+    whose wrapper imports the module before calling it). A module merely imported by another
+    program (tests, the demo) changes nothing in its host."""
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     if module_name == "__main__" or script == command:
+        limit_shape_caches()
         reexec_with_tuned_malloc()

@@ -17,6 +17,7 @@ from draftsmith.train import malloc, runtime
 from draftsmith.train.config import ConfigError
 from draftsmith.train.malloc import (
     MALLOC_SWITCH,
+    SHAPE_CACHES,
     TUNED_MALLOC,
     reexec_with_tuned_malloc,
     restart_as_command,
@@ -41,6 +42,9 @@ def execve(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", ["python3", "-X", "utf8", "train/distill.py", "seed=3"])
     for key in (*TUNED_MALLOC, MALLOC_SWITCH):
         monkeypatch.delenv(key, raising=False)
+    for key in SHAPE_CACHES:  # a restart sets them in this process: gone again after the test
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     return events
 
 
@@ -107,6 +111,19 @@ def test_a_command_restarts_when_started_as_itself_only(execve, monkeypatch, nam
     monkeypatch.setattr(sys, "argv", [argv0, "seed=3"])
     restart_as_command(name, "draftsmith-distill")
     assert len(_execs(execve)) == int(restarts)
+
+
+def test_a_command_restarts_with_bounded_matmul_shape_caches(execve, monkeypatch):
+    """The restarted command caps oneDNN's and ideep's per-shape caches (``SHAPE_CACHES``;
+    tests/train/test_trim.py measures the growth the caps stop); a value the user set stays."""
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "4096")
+    monkeypatch.setattr(sys, "argv", ["train/distill.py", "seed=3"])
+    restart_as_command("__main__", "draftsmith-distill")
+    env = _execs(execve)[0][3]
+    cap = SHAPE_CACHES["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert int(cap) < 1024  # below the libraries' default
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == cap
+    assert env["LRU_CACHE_CAPACITY"] == "4096"
 
 
 def test_malloc_imports_nothing_heavy():
