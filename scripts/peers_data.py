@@ -90,8 +90,9 @@ def write_speculators(out: Path, train: Iterable[Row], val: Iterable[Row],
                       dtype: torch.dtype = torch.bfloat16) -> dict:
     """speculators' offline data (see the module docstring): the dataset and its hidden states
     in ``out/data`` (``--data-path``), the vocabulary map beside it. Returns ``{"data_path",
-    "rows", "train_rows", "train_data_ratio", "mean_length", "max_length", "d2t_path",
-    "t2d_path"}``."""
+    "rows", "train_rows", "train_lengths", "train_masked", "train_data_ratio", "mean_length",
+    "max_length", "d2t_path", "t2d_path"}`` (per training row: its tokens, its loss-masked
+    positions)."""
     import shutil
 
     from datasets import Dataset
@@ -125,7 +126,9 @@ def write_speculators(out: Path, train: Iterable[Row], val: Iterable[Row],
     np.save(d2t_path, (d2t.long() - torch.arange(d2t.numel())).numpy())
     np.save(t2d_path, t2d.bool().numpy())
     lengths = cols["seq_len"][:n_train]
+    masked = [int(sum(m)) for m in cols["loss_mask"][:n_train]]
     return {"data_path": str(data), "rows": len(cols["seq_len"]), "train_rows": n_train,
+            "train_lengths": lengths, "train_masked": masked,
             "train_data_ratio": n_train / len(cols["seq_len"]),
             "train_tokens": int(sum(lengths)), "mean_length": float(np.mean(lengths)),
             "max_length": int(max(lengths)), "d2t_path": str(d2t_path),

@@ -130,16 +130,18 @@ def draftsmith_overrides(s: Settings, experiment: str, out_dir: Path,
 
 
 def speculators_args(s: Settings, data: dict, verifier: Path, save_path: Path,
-                     fuse_layers: list[int]) -> list[str]:
+                     fuse_layers: list[int], budget: int | None = None) -> list[str]:
     """speculators' train arguments for the equal settings (``data``: what
-    ``peers_data.write_speculators`` returned)."""
+    ``peers_data.write_speculators`` returned; ``budget``: its tokens per step, see
+    :func:`speculators_budget`)."""
     if s.betas != (0.9, 0.999):
         raise ValueError(f"betas={list(s.betas)}: speculators' AdamW takes torch's defaults "
                          "(0.9, 0.999); set betas=[0.9,0.999] for an equal comparison")
     _, dtype = PRECISIONS[s.precision]
-    # the same mean number of tokens per step as sequences_per_step sequences, and room for
-    # the longest one; epochs enough for the steps (the wrapper stops at --max-steps)
-    budget = max(int(data["max_length"]), round(s.sequences_per_step * data["mean_length"]))
+    # without a calibrated budget: the mean number of tokens of sequences_per_step sequences,
+    # and room for the longest one; epochs enough for the steps (the wrapper stops there)
+    budget = budget or max(int(data["max_length"]),
+                           round(s.sequences_per_step * data["mean_length"]))
     epochs = math.ceil(s.steps * budget / max(1, data["train_tokens"])) * 2 + 2
     return ["--verifier-name-or-path", str(verifier), "--data-path", data["data_path"],
             "--save-path", str(save_path), "--speculator-type", "eagle3",
@@ -228,7 +230,13 @@ def train_speculators(cfg: DictConfig, s: Settings, prep: dict, work: Path) -> d
                              sequences(FeatureDataset(prep["val_dir"]), fuse),
                              effective_norm_weight(model.model.norm, model.config.hidden_size),
                              d2t, t2d, getattr(torch, PRECISIONS[s.precision][1]))
-    args = speculators_args(s, data, Path(str(prep["loaded"].path)), out / "checkpoints", fuse)
+    lengths, masked = data.pop("train_lengths"), data.pop("train_masked")
+    target = prep.get("reference_tokens") or round(
+        s.steps * s.sequences_per_step * sum(masked) / len(masked))
+    budget = speculators_budget(python, out, s, lengths, masked, target)
+    data["budget"] = budget
+    args = speculators_args(s, data, Path(str(prep["loaded"].path)), out / "checkpoints", fuse,
+                            budget["budget"])
     stats = out / "stats.json"
     runner = REPO / "scripts" / "engine_runners" / "speculators_train.py"
     cmd = [str(python), str(runner), str(stats), str(s.threads), "--", *args]
@@ -243,6 +251,28 @@ def train_speculators(cfg: DictConfig, s: Settings, prep: dict, work: Path) -> d
     return {**row, "checkpoint": str(out / "checkpoints" / str(got["checkpoint_epoch"])),
             "trained_tokens": int(got["trained_tokens"]),
             "train_loop_s": float(got["train_loop_s"]), "steps": int(got["steps"])}
+
+
+def speculators_budget(python: Path, out: Path, s: Settings, lengths: list[int],
+                       masked: list[int], target: int) -> dict:
+    """The token budget per step at which speculators' own packing sampler trains ``target``
+    loss-masked tokens in ``s.steps`` steps (``scripts/engine_runners/speculators_budget.py``):
+    a budget of ``sequences_per_step`` mean lengths packs fewer tokens than that many rows (the
+    first full run here: 79,191 tokens against draftsmith's 91,657), and the comparison is at
+    equal trained tokens. Returns ``{"budget", "tokens", "target"}``."""
+    import subprocess
+
+    from draftsmith.scripts.engine_envs import engine_env
+
+    job, got = out / "budget_job.json", out / "budget.json"
+    per_step = s.sequences_per_step * sum(lengths) / len(lengths)
+    job.write_text(json.dumps({"lengths": lengths, "masked": masked, "steps": s.steps,
+                               "seed": s.seed, "target": int(target), "low": max(lengths),
+                               "high": max(max(lengths), round(2 * per_step)), "stride": 8}))
+    runner = REPO / "scripts" / "engine_runners" / "speculators_budget.py"
+    subprocess.run([str(python), str(runner), str(job), str(got)], check=True,
+                   env=engine_env("speculators", python.parents[1]), timeout=600)
+    return json.loads(got.read_text())
 
 
 def _own_version() -> str:
@@ -271,6 +301,8 @@ def run(cfg: DictConfig, command: str) -> dict:
     rows = []
     for name in cfg.trainers:
         row = trainers[name](cfg, s, prep, work)
+        if name == "draftsmith" and "trained_tokens" in row:
+            prep["reference_tokens"] = row["trained_tokens"]  # the others match it
         if "train_loop_s" in row:
             row["tokens_per_s"] = row["trained_tokens"] / max(row["train_loop_s"], 1e-9)
         note(TOOL, f"{name}: " + (row.get("error") or f"{row.get('trained_tokens')} tokens in "

@@ -13,7 +13,9 @@ does what that script does, with nothing of ModelOpt's changed:
   ``eagle_architecture_config`` shaped like the target (its default is Llama-3-8B's layer);
 * the draft vocabulary map loaded with ``HFEagleModel.load_draft_vocab_cache``;
 * offline rows (``data_{i}.pt``: ``input_ids``, ``loss_mask``, ``hidden_states`` after the
-  final norm, ``aux_hidden_states``), right-padded per batch, passed as ``base_model_outputs``;
+  final norm, ``aux_hidden_states``), right-padded to the longest row (ModelOpt's collator pads
+  to one fixed length, and its model caches its attention masks for it), passed as
+  ``base_model_outputs``;
 * ``TrainingArguments`` from JOB.json (``use_cpu``, no saving, no reports), then
   ``model.get_exporter().export(out)``: the EAGLE-3 export ModelOpt writes for engines.
 
@@ -47,8 +49,13 @@ def main(job_path: str, stats_path: str) -> None:
     stats = {"trained_tokens": 0, "train_loop_s": 0.0, "steps": 0,
              "version": version("nvidia-modelopt")}
 
+    # every batch padded to one length, as ModelOpt's own data collator pads to its
+    # training_seq_len: its model caches the TTT attention masks of its first batch
+    # (HFEagleModel._get_ttt_attention_mask) and a longer batch after it fails ("The size of
+    # tensor a (674) must match the size of tensor b (640)")
+    n = max(len(r["input_ids"]) for r in rows)
+
     def collate(batch: list[dict]) -> dict:
-        n = max(len(r["input_ids"]) for r in batch)
 
         def pad(key: str, fill: float = 0) -> torch.Tensor:
             out = []

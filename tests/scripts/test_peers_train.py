@@ -107,6 +107,9 @@ def test_speculators_data_reads_back_and_counts_the_positions_draftsmith_counts(
     info = peers_data.write_speculators(tmp_path, iter(train), iter(val), NORM, d2t, t2d,
                                         torch.float32)
     assert info["train_rows"] == 3 and info["rows"] == 5
+    assert info["train_lengths"] == [len(r.input_ids) for r in train]
+    assert info["train_masked"] == [int(peers_data.shift_mask_for_speculators(r.loss_mask).sum())
+                                    for r in train]
     assert info["train_data_ratio"] == pytest.approx(0.6)
     ds = load_from_disk(info["data_path"])
     assert ds.format["type"] == "torch" and len(ds) == 5
@@ -232,3 +235,42 @@ def test_speculators_own_trainer_writes_a_checkpoint_that_decodes_losslessly(dec
                                 f"prompts={decode_setup['questions']}", "limit=2",
                                 "max_new_tokens=12", "temperature=0", "k=3", "suffix=false"])
     assert run["summary"]["matches_baseline"] == 1.0 and run["summary"]["draft_kind"] == "eagle"
+
+
+class _Packer:
+    """A stand-in for speculators' packing sampler: rows in a seeded order, a batch closed when
+    the next row would pass the budget (the interface the budget runner calls)."""
+
+    def __init__(self, batch_max_length, lengths, num_replicas, rank, seed):
+        self.budget, self.lengths, self.seed, self.epoch = batch_max_length, lengths, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.lengths),
+                               generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        batches, cur, used = [], [], 0
+        for i in order.tolist():
+            if cur and used + self.lengths[i] > self.budget:
+                batches.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += self.lengths[i]
+        return iter(batches + [cur])
+
+
+def test_speculators_budget_counts_the_first_steps_batches_across_epochs():
+    from draftsmith.scripts.engine_runners.speculators_budget import trained_tokens
+
+    lengths, masked = [40, 40, 40, 40], [1, 2, 3, 4]
+    # a budget of one row per batch: 6 steps are epoch 0 (all four rows) and two of epoch 1
+    got = trained_tokens(_Packer, lengths, masked, 40, 6, seed=0)
+    order1 = torch.randperm(4, generator=torch.Generator().manual_seed(1)).tolist()
+    assert got == sum(masked) + masked[order1[0]] + masked[order1[1]]
+    # the whole set in one batch: each step trains every row once
+    assert trained_tokens(_Packer, lengths, masked, 160, 3, seed=0) == 3 * sum(masked)
+    with pytest.raises(ValueError, match="packs no batch"):
+        trained_tokens(lambda **kw: type("E", (), {"set_epoch": lambda s, e: None,
+                                                   "__iter__": lambda s: iter([])})(),
+                       lengths, masked, 40, 1, seed=0)
