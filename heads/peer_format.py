@@ -1,13 +1,15 @@
-"""Which folders hold another trainer's EAGLE-3 draft (speculators, ModelOpt), and the refusal
-to write one back as draftsmith's own. The reading is :mod:`draftsmith.heads.peer_import`; this
-module imports nothing of draftsmith's, so that loading and signing can ask it."""
+"""Which folders hold another trainer's EAGLE-3 draft (speculators, ModelOpt, SpecForge), and
+the refusal to write one back as draftsmith's own. The reading is
+:mod:`draftsmith.heads.peer_import`; this module imports nothing of draftsmith's, so that
+loading and signing can ask it."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-SPECULATORS, MODELOPT = "speculators", "modelopt"
-PEER_FORMATS = (SPECULATORS, MODELOPT)
+SPECULATORS, MODELOPT, SPECFORGE = "speculators", "modelopt", "specforge"
+PEER_FORMATS = (SPECULATORS, MODELOPT, SPECFORGE)
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's (and SpecForge's) EAGLE-3 draft class
 
 
 class PeerCheckpointError(ValueError):
@@ -24,8 +26,10 @@ def peer_config(root: Path) -> dict | None:
 
 
 def peer_format(path: str | Path) -> str | None:
-    """``speculators`` or ``modelopt`` for a peer's EAGLE-3 folder, else None. A folder with
-    draftsmith's own ``draftsmith.json`` or ``manifest.json`` is never a peer's."""
+    """``speculators``, ``modelopt`` or ``specforge`` for a peer's EAGLE-3 folder, else None.
+    ModelOpt's export carries its ``eagle_config`` flags; any other ``LlamaForCausalLMEagle3``
+    folder is read as SpecForge's SGLang export (SGLang's layout and layer numbering). A folder
+    with draftsmith's own ``draftsmith.json`` or ``manifest.json`` is never a peer's."""
     root = Path(str(path)).expanduser()
     if not root.is_dir() or any((root / f).is_file() for f in ("draftsmith.json",
                                                                 "manifest.json")):
@@ -38,6 +42,8 @@ def peer_format(path: str | Path) -> str | None:
     eagle = cfg.get("eagle_config")
     if isinstance(eagle, dict) and "use_last_layernorm" in eagle:
         return MODELOPT
+    if EAGLE3_ARCHITECTURE in (cfg.get("architectures") or []):
+        return SPECFORGE
     return None
 
 

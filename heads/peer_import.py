@@ -1,6 +1,6 @@
 """EAGLE-3 drafts trained by other trainers, read into draftsmith's EAGLE-3 head for decoding.
 
-Two folders are recognised (``draft=FOLDER`` in ``eval/decode.py`` and ``eval/measure.py``):
+Three folders are recognised (``draft=FOLDER`` in ``eval/decode.py`` and ``eval/measure.py``):
 
 * **speculators** (0.9.0): a training checkpoint, ``<save_path>/<epoch>/``, as its trainer writes
   it with ``save_pretrained``: ``config.json`` with ``speculators_model_type: eagle3``, the layer
@@ -14,14 +14,24 @@ Two folders are recognised (``draft=FOLDER`` in ``eval/decode.py`` and ``eval/me
   ``eagle_config`` carries ModelOpt's ``use_last_layernorm`` / ``use_mtp_layernorm`` flags, and
   ``model.safetensors`` with ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t`` offsets, no
   ``t2d``). ModelOpt captures the *output* of each listed layer, i.e. ``hidden_states[i + 1]``.
+* **SpecForge** (0.2.0): its SGLang export (``specforge export --to sglang``; its training
+  checkpoint, ``{run_id}-step{N}/training_state.pt``, is a pickle of trainer state that this
+  export turns into the folder SGLang serves): ``config.json`` with ``architectures:
+  [LlamaForCausalLMEagle3]``, the draft config it trained with (``draft_vocab_size``, optional
+  ``eagle_config.eagle_aux_hidden_state_layer_ids``, ``fc_norm``, ``norm_output``) and
+  ``model.safetensors`` (bf16) with ``fc`` (over exactly 3 layers), ``midlayer.*``, ``norm``,
+  ``lm_head`` (draft rows, trained from a random start), ``d2t`` offsets and ``t2d``, no
+  embedding (the target's). Layer ids are SGLang's: id i captures the input of layer i + 1, i.e.
+  ``hidden_states[i + 1]``, concatenated in layer order; without ids SGLang's default
+  ``hidden_states[2, L // 2, L - 3]``.
 
 Such a folder carries no manifest, signature or target identity. It is loaded with a warning that
 names the folder, checked against the target (widths, heads, RoPE, norm eps, vocabulary, and the
 stored embedding where there is one), and never written back as draftsmith's: signing,
 exporting, releasing and quantizing refuse it (``heads/peer_format.py``: ``refuse_peer``). What
 the EAGLE-3 head cannot compute exactly (norms before ``fc``, a normed residual, several
-layers, a Qwen3-style layer with q/k norms, no output norm) is refused by name rather than
-approximated.
+layers, a Qwen3-style layer with q/k norms, no output norm, a draft narrower than the target) is
+refused by name rather than approximated.
 """
 from __future__ import annotations
 
@@ -37,6 +47,8 @@ from safetensors.torch import load_file
 from draftsmith.heads.draft_config import draft_layer_config, rope_parameters
 from draftsmith.heads.exports import EAGLE3_LAYER_KEYS
 from draftsmith.heads.peer_format import (
+    MODELOPT,
+    SPECFORGE,
     SPECULATORS,
     PeerCheckpointError,
     peer_config,
@@ -56,6 +68,8 @@ SPECULATORS_FLAGS = {
     "fc_norm": "an RMSNorm per fused layer before fc",
     "norm_output": "post-norm hidden states fed back between steps",
 }
+# the layer prefix of each format's weights
+LAYER_PREFIX = {SPECULATORS: "layers.0.", MODELOPT: "layers.0.", SPECFORGE: "midlayer."}
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,7 @@ class PeerCheckpoint:
     names and what the head needs to hold them."""
 
     path: Path
-    fmt: str  # speculators | modelopt
+    fmt: str  # speculators | modelopt | specforge
     version: str | None
     fuse_layers: list[int]  # transformers hidden_states ids, in fc's column order
     draft_vocab_size: int
@@ -73,6 +87,23 @@ class PeerCheckpoint:
     layer_config: dict  # the layer config as the folder states it
     state: dict[str, torch.Tensor]  # draftsmith EAGLE-3 names (d2t as target ids, t2d bool)
     embedding: torch.Tensor | None  # the verifier embedding stored with it (speculators)
+
+
+def _specforge_problems(cfg: dict) -> list[str]:
+    """SpecForge's draft config switches (``LlamaForCausalLMEagle3``) the head does not
+    compute."""
+    why = []
+    if cfg.get("fc_norm"):
+        why.append("fc_norm=true (an RMSNorm per fused layer before fc)")
+    if cfg.get("norm_output", True) is False:
+        why.append("norm_output=false (no output norm before the LM head)")
+    if cfg.get("norm_before_residual"):
+        why.append("norm_before_residual=true (the residual is the normed hidden state)")
+    width = cfg.get("target_hidden_size")
+    if width is not None and int(width) != int(cfg.get("hidden_size") or 0):
+        why.append(f"target_hidden_size={width} (the head's draft is as wide as the target, "
+                   f"hidden_size={cfg.get('hidden_size')})")
+    return why
 
 
 def _problems(cfg: dict, fmt: str) -> list[str]:
@@ -84,6 +115,9 @@ def _problems(cfg: dict, fmt: str) -> list[str]:
                        "'eagle3' reads into the EAGLE-3 head)")
         why += [f"{k}=true ({what})" for k, what in SPECULATORS_FLAGS.items() if cfg.get(k)]
         layer = cfg.get("transformer_layer_config") or {}
+    elif fmt == SPECFORGE:
+        why += _specforge_problems(cfg)
+        layer = cfg
     else:
         eagle = cfg.get("eagle_config") or {}
         if not eagle.get("use_aux_hidden_state", False):
@@ -113,22 +147,32 @@ def _layer_ids(cfg: dict, fmt: str, num_layers: int | None) -> list[int]:
         if ids is None and num_layers is not None:  # speculators' own default
             ids = [2, num_layers // 2, num_layers - 3]
         return [int(i) for i in ids or []]
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
-    return [int(i) + 1 for i in ids]  # ModelOpt hooks the output of layer i
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and fmt == SPECFORGE and num_layers is not None:  # SGLang's own default
+        return [2, num_layers // 2, num_layers - 3]
+    # ModelOpt hooks the output of layer i; SGLang captures the input of layer i + 1 and
+    # concatenates the captured states in layer order, whatever the listed order
+    out = [int(i) + 1 for i in ids or []]
+    return sorted(out) if fmt == SPECFORGE else out
 
 
 def _to_ours(state: Mapping[str, torch.Tensor], fmt: str, vocab: int) -> dict[str, torch.Tensor]:
-    """The folder's tensors under the head's names: ``layers.0.*`` -> ``layer.*``; ``d2t``
-    offsets -> target ids; ``t2d`` from them where the folder has none; a full-vocabulary LM head
-    gets the identity map."""
+    """The folder's tensors under the head's names: ``layers.0.*`` / ``midlayer.*`` ->
+    ``layer.*``; ``d2t`` offsets -> target ids; ``t2d`` from them where the folder has none; a
+    full-vocabulary LM head gets the identity map."""
+    prefix = LAYER_PREFIX[fmt]
     missing = [k for k in ("fc.weight", "norm.weight", "lm_head.weight",
-                           *(f"layers.0.{k}" for k in EAGLE3_LAYER_KEYS)) if k not in state]
+                           *(f"{prefix}{k}" for k in EAGLE3_LAYER_KEYS)) if k not in state]
     if missing:
         raise PeerCheckpointError(f"the {fmt} checkpoint lacks tensors {missing}")
+    bias = state.get("fc.bias")
+    if bias is not None and bool(bias.float().abs().max() > 0):
+        raise PeerCheckpointError(f"the {fmt} checkpoint has a non-zero fc.bias (the head's fc "
+                                  "has none)")
     out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
            "lm_head.weight": state["lm_head.weight"]}
     for key in EAGLE3_LAYER_KEYS:
-        out[f"layer.{key}"] = state[f"layers.0.{key}"]
+        out[f"layer.{key}"] = state[f"{prefix}{key}"]
     vd = int(state["lm_head.weight"].shape[0])
     offsets = state.get("d2t")
     if offsets is None:
@@ -154,9 +198,10 @@ def read_peer(path: str | Path, num_target_layers: int | None = None) -> PeerChe
     root = Path(str(path)).expanduser()
     fmt = peer_format(root)
     if fmt is None:
-        raise PeerCheckpointError(f"{root} is not a speculators eagle3 checkpoint nor a ModelOpt "
-                                  "EAGLE-3 export (no config.json with speculators_model_type "
-                                  "or ModelOpt's eagle_config)")
+        raise PeerCheckpointError(f"{root} is not a speculators eagle3 checkpoint, a ModelOpt "
+                                  "EAGLE-3 export nor a SpecForge SGLang export (no config.json "
+                                  "with speculators_model_type, ModelOpt's eagle_config or "
+                                  "architectures [LlamaForCausalLMEagle3])")
     cfg = peer_config(root) or {}
     why = _problems(cfg, fmt)
     if why:
@@ -180,9 +225,10 @@ def read_peer(path: str | Path, num_target_layers: int | None = None) -> PeerChe
     else:
         steps, version = 3, None
     state = _to_ours(raw, fmt, vocab)
+    gate = raw[f"{LAYER_PREFIX[fmt]}mlp.gate_proj.weight"]
     return PeerCheckpoint(path=root, fmt=fmt, version=version, fuse_layers=ids,
                           draft_vocab_size=int(state["lm_head.weight"].shape[0]),
-                          intermediate_size=int(raw["layers.0.mlp.gate_proj.weight"].shape[0]),
+                          intermediate_size=int(gate.shape[0]),
                           ttt_steps=steps, layer_config=layer, state=state,
                           embedding=raw.get("embed_tokens.weight"))
 

@@ -13,7 +13,8 @@ pins fight with the project's and with each other, and none of them goes into ``
   wants < 5.15) and accelerate, the parts its EAGLE-3 training imports.
 * ``specforge`` (``make peers``): SpecForge 0.2.0 pins torch 2.11, transformers 5.8.1 and
   sglang (a GPU server): it is installed ``--no-deps`` over the CPU torch, its transformers pin
-  and its light dependencies.
+  and its light dependencies, with the ``triton`` wheel that its loss module imports at module
+  level (none of its kernels runs on a CPU: ``scripts/engine_runners/specforge_train.py``).
 * ``llama_server``: what llama.cpp's own converter (``convert_hf_to_gguf.py``) imports (torch,
   transformers at the converter's pin, sentencepiece; its gguf-py comes with the sources), and
   scikit-build-core, with which pip reads the llama-cpp-python sdist's metadata when it fetches
@@ -48,10 +49,12 @@ ENVS = {  # engine -> what its environment installs and removes, and how it is c
     "modelopt": {"install": ["torch==2.13.0", "nvidia-modelopt==0.47.0", "transformers==5.8.1",
                              "accelerate==1.15.0", "requests"],
                  "remove": [], "check": "import modelopt.torch.speculative"},
-    # make peers: SpecForge without sglang (--no-deps), over this machine's CPU torch
-    "specforge": {"install": ["torch==2.13.0", "transformers==5.8.1", "accelerate", "datasets",
-                              "pydantic", "pyyaml", "safetensors", "numpy", "tqdm", "psutil",
-                              "requests", "huggingface-hub"],
+    # make peers: SpecForge without sglang (--no-deps), over this machine's CPU torch; triton
+    # only so that its loss module imports (its kernel is never launched on a CPU:
+    # scripts/engine_runners/specforge_train.py)
+    "specforge": {"install": ["torch==2.13.0", "triton==3.8.0", "transformers==5.8.1",
+                              "accelerate", "datasets", "pydantic", "pyyaml", "safetensors",
+                              "numpy", "tqdm", "psutil", "requests", "huggingface-hub"],
                   "no_deps": ["specforge==0.2.0"], "remove": [], "check": "import specforge"},
     # llama.cpp's converter at its own pins (requirements-convert_hf_to_gguf.txt: transformers
     # 4.57.6, protobuf < 5), with this machine's CPU torch; gguf-py's own dependencies

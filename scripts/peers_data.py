@@ -21,7 +21,12 @@ and writes one trainer's files; the writers import nothing of the peers' package
   position by the mask of the token it reads, as speculators' does, so the mask is shifted the
   same way.
 * **SpecForge** (0.2.0, offline): one ``.ckpt`` per row, ``{input_ids (T,), loss_mask (T,),
-  hidden_state (1, T, H) after the final norm, aux_hidden_state (1, T, k*H)}``.
+  hidden_state (1, T, H) after the final norm (bf16), aux_hidden_state (1, T, k*H)}``. Its first TTT
+  step counts the entry at ``j`` (fused features of ``j``, token ``j + 1``, teacher ``p_{j+1}``,
+  predicting token ``j + 2``) by ``loss_mask[j]``, the mask of the position it reads, where
+  draftsmith counts it by the mask of the token it predicts: the mask is shifted two positions
+  left (``m'[j] = m[j + 2]``); its later steps shift it one more position each, as
+  draftsmith's ``teacher_mask`` does.
 """
 from __future__ import annotations
 
@@ -70,8 +75,14 @@ def sequences(dataset: Sequence, fuse_layers: Sequence[int]) -> Iterable[Row]:
 def shift_mask_for_speculators(loss_mask: torch.Tensor) -> torch.Tensor:
     """The mask speculators (and ModelOpt) need to count the positions draftsmith counts:
     ``m'[j] = m[j + 1]`` (0 at the end)."""
+    return shift_mask(loss_mask, 1)
+
+
+def shift_mask(loss_mask: torch.Tensor, by: int) -> torch.Tensor:
+    """``m'[j] = m[j + by]`` (0 past the end) for a (T,) mask."""
     out = torch.zeros_like(loss_mask)
-    out[:-1] = loss_mask[1:]
+    if by < len(loss_mask):
+        out[:len(loss_mask) - by] = loss_mask[by:]
     return out
 
 
@@ -147,15 +158,18 @@ def write_modelopt(out: Path, rows: Iterable[Row]) -> int:
     return n
 
 
-def write_specforge(out: Path, rows: Iterable[Row]) -> int:
-    """SpecForge's offline rows (``data_{i}.ckpt``, see the module docstring); returns how
-    many."""
+def write_specforge(out: Path, rows: Iterable[Row], dtype: torch.dtype = torch.bfloat16) -> int:
+    """SpecForge's offline rows (``data_{i}.ckpt``, see the module docstring: the loss mask
+    shifted two positions left); returns how many. The final state is stored in bf16, the dtype
+    of SpecForge's target head (``TargetHead.from_pretrained`` casts it to bf16, and its linear
+    takes no other input dtype), the fused layers in ``dtype``, the draft's."""
     out.mkdir(parents=True, exist_ok=True)
     n = 0
     for n, row in enumerate(rows, start=1):
-        torch.save({"input_ids": row.input_ids.long(), "loss_mask": row.loss_mask.long(),
-                    "hidden_state": row.final[None].contiguous(),
-                    "aux_hidden_state": row.fused[None].contiguous()},
+        torch.save({"input_ids": row.input_ids.long(),
+                    "loss_mask": shift_mask(row.loss_mask, 2).long(),
+                    "hidden_state": row.final[None].to(torch.bfloat16).contiguous(),
+                    "aux_hidden_state": row.fused[None].to(dtype).contiguous()},
                    out / f"data_{n - 1}.ckpt")
     return n
 

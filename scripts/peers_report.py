@@ -135,7 +135,8 @@ def readme_lines(result: dict) -> list[str]:
 def write_results(out: Path, rows: list[dict], meta: dict) -> dict:
     """``out/results.json`` and ``out/README.md``; returns the results."""
     out.mkdir(parents=True, exist_ok=True)
-    keep = ("trainer", "version", "trained_tokens", "tokens_per_s", "train_loop_s",
+    keep = ("trainer", "version", "trained_tokens", "loss_positions", "tokens_per_s",
+            "train_loop_s",
             "alpha_hat", "top1", "val_tokens", "same_vocab_map", "tau", "speedup",
             "speedup_spread", "noisy",
             "lossless", "matches_baseline", "steps", "peak_rss_mib", "wall_s", "command",

@@ -30,8 +30,13 @@ with equal settings, every checkpoint scored by one evaluator (``make peers``).
      in Hugging Face's ``Trainer`` through ``scripts/engine_runners/modelopt_train.py`` (what
      its example script, absent from the wheel, does), the layer shaped like the target, then
      its own EAGLE-3 export.
-   * SpecForge 0.2.0: installed ``--no-deps`` in its own environment; tried, and its exact
-     failure recorded when it does not train here.
+   * SpecForge 0.2.0: installed ``--no-deps`` in its own environment, its trainer
+     (``specforge train``, offline, its own TTT loss) through
+     ``scripts/engine_runners/specforge_train.py`` (the CPU wrapper, its patches listed there:
+     the ``triton`` wheel so that its loss module imports, and its Triton EAGLE-3 loss routed to
+     plain torch computing its reference loss) with ``SPECFORGE_DEVICE=cpu
+     FSDP_SHARDING=NO_SHARD``, the layer shaped like the target, then its own SGLang export
+     (``scripts/peers_specforge.py``).
 
    ``trained_tokens`` counts the loss-masked positions of the first draft position over the
    training steps, ``tokens_per_s`` divides them by the training loop's wall time (data loading,

@@ -1,9 +1,11 @@
-"""Other trainers' EAGLE-3 checkpoints (speculators, ModelOpt) read into the EAGLE-3 head.
+"""Other trainers' EAGLE-3 checkpoints (speculators, ModelOpt, SpecForge) read into the EAGLE-3
+head.
 
 The peer folders are written here in each trainer's own layout from a head of ours (through our
 own export writers, then as the trainers store them: speculators' checkpoint keeps the verifier
 embedding and has no manifest; ModelOpt's export names layer ``i``'s output ``i`` and has no
-``t2d``), so the tests need no peer environment.
+``t2d``; SpecForge's SGLang export keeps ``midlayer.*``, names by SGLang's ids, has no ``fc``
+bias and no embedding), so the tests need no peer environment.
 """
 from __future__ import annotations
 
@@ -76,6 +78,33 @@ def modelopt_export(pkg: Path, out: Path) -> Path:
     return out
 
 
+def specforge_export(pkg: Path, out: Path, listed=None) -> Path:
+    """``pkg`` as SpecForge's ``export --to sglang`` writes it: ``midlayer.*``, ``d2t`` offsets,
+    ``t2d``, no ``fc.bias`` or embedding; its config is the draft config it trained with, whose
+    ``eagle_config`` lists SGLang's ids (``hidden_states[i]`` is id ``i - 1``) in the order
+    ``listed`` (SGLang concatenates them in layer order whatever the listed order)."""
+    export_package(pkg, "eagle3", out, engine="sglang")
+    _strip(out)
+    state = load_file(str(out / "model.safetensors"))
+    state.pop("fc.bias", None)
+    save_file(state, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    for key in ("eagle_config", "norm_before_residual", "target_hidden_size"):
+        cfg.pop(key, None)
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": listed or ids}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _peer_folder(fmt: str, pkg: Path, out: Path, model) -> Path:
+    if fmt == "speculators":
+        return speculators_checkpoint(pkg, out, model)
+    if fmt == "modelopt":
+        return modelopt_export(pkg, out)
+    return specforge_export(pkg, out, listed=[2, 0, 1])  # hidden_states 3, 1, 2
+
+
 def _inputs(model, n_layers: int):
     ids = torch.randint(5, model.config.vocab_size, (1, 9),
                         generator=torch.Generator().manual_seed(7))
@@ -92,11 +121,10 @@ def four_layers(tmp_path):
     return target, head, pkg
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "modelopt"])
+@pytest.mark.parametrize("fmt", ["speculators", "modelopt", "specforge"])
 def test_peer_folder_gives_the_heads_draft_logits(four_layers, tmp_path, fmt, caplog):
     target, head, pkg = four_layers
-    folder = (speculators_checkpoint(pkg, tmp_path / fmt, target.model) if fmt == "speculators"
-              else modelopt_export(pkg, tmp_path / fmt))
+    folder = _peer_folder(fmt, pkg, tmp_path / fmt, target.model)
     assert peer_format(folder) == fmt and peer_format(pkg) is None
     with caplog.at_level(logging.WARNING):
         back = peer_as_draft(folder, target)
@@ -115,11 +143,12 @@ def _rewrite(folder: Path, change) -> None:
     save_file(state, str(folder / "model.safetensors"))
 
 
+@pytest.mark.parametrize("fmt", ["speculators", "specforge"])
 @pytest.mark.parametrize("broken", ["fc_order", "d2t"])
-def test_a_broken_mapping_gives_other_logits(four_layers, tmp_path, broken):
+def test_a_broken_mapping_gives_other_logits(four_layers, tmp_path, broken, fmt):
     """The twin: the same comparison fails on a wrong fc column order or a shifted d2t."""
     target, head, pkg = four_layers
-    folder = speculators_checkpoint(pkg, tmp_path / "sp", target.model)
+    folder = _peer_folder(fmt, pkg, tmp_path / fmt, target.model)
 
     def swap_fc(state):
         a, b, c = state["fc.weight"].chunk(3, dim=1)
@@ -158,6 +187,38 @@ def test_what_the_head_cannot_compute_is_refused_by_name(four_layers, tmp_path):
     (mo / "config.json").write_text(json.dumps(mcfg))
     with pytest.raises(PeerCheckpointError, match="use_last_layernorm"):
         read_peer(mo)
+
+
+def test_what_the_head_cannot_compute_is_refused_by_name_in_a_specforge_export(four_layers,
+                                                                              tmp_path):
+    _, _, pkg = four_layers
+    folder = specforge_export(pkg, tmp_path / "sf")
+    assert read_peer(folder).fuse_layers == [1, 2, 3]  # readable as written
+    cfg = json.loads((folder / "config.json").read_text())
+    for change, match in (({"fc_norm": True}, "fc_norm=true"),
+                          ({"norm_output": False}, "norm_output=false"),
+                          ({"norm_before_residual": True}, "norm_before_residual=true"),
+                          ({"target_hidden_size": 2 * cfg["hidden_size"]}, "target_hidden_size"),
+                          ({"num_hidden_layers": 2}, "num_hidden_layers=2")):
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(PeerCheckpointError, match=match):
+            read_peer(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _rewrite(folder, lambda s: s.update({"fc.bias": torch.full((s["fc.weight"].shape[0],), .1)}))
+    with pytest.raises(PeerCheckpointError, match="non-zero fc.bias"):
+        read_peer(folder)
+
+
+def test_a_specforge_export_without_layer_ids_takes_sglangs_default(four_layers, tmp_path):
+    _, _, pkg = four_layers
+    folder = specforge_export(pkg, tmp_path / "sf")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["eagle_config"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert peer_format(folder) == "specforge"
+    assert read_peer(folder, num_target_layers=30).fuse_layers == [2, 15, 27]
+    with pytest.raises(PeerCheckpointError, match="0 fused layer ids"):
+        read_peer(folder)  # no target: no default
 
 
 def test_a_checkpoint_of_another_target_is_refused(four_layers, tmp_path):

@@ -136,23 +136,118 @@ def test_speculators_data_reads_back_and_counts_the_positions_draftsmith_counts(
             assert not torch.equal(row.loss_mask[1:][s:], ours)
 
 
-def test_specforge_rows_and_config(tmp_path):
+def test_specforge_rows_count_the_positions_draftsmith_counts(tmp_path):
     rows = _rows(2)
-    assert peers_data.write_specforge(tmp_path / "data", iter(rows)) == 2
+    assert peers_data.write_specforge(tmp_path / "data", iter(rows), torch.float32) == 2
     got = torch.load(tmp_path / "data" / "data_1.ckpt")
     assert got["hidden_state"].shape == (1, 10, 4) and got["aux_hidden_state"].shape == (1, 10, 12)
+    assert got["hidden_state"].dtype == torch.bfloat16  # its target head's dtype
+    assert got["aux_hidden_state"].dtype == torch.float32 and torch.equal(
+        got["aux_hidden_state"][0], rows[1].fused)
     assert torch.equal(got["input_ids"], rows[1].input_ids)
-    s = peers_train.equal_settings(_cfg(steps=40))
+    # SpecForge's reader zeroes the last position, and its TTT step k counts the entry at j
+    # (teacher p_{j+k+1}) by the mask shifted k more positions: draftsmith's teacher_mask of
+    # step k + 1
+    mask = got["loss_mask"].clone()
+    mask[-1] = 0
+    for k in range(3):
+        theirs = peers_data.shift_mask(mask.bool(), k)
+        ours = teacher_mask(rows[1].loss_mask[None], None, k + 1)[0]
+        assert torch.equal(theirs, ours)
+        # the twin: the mask as draftsmith stores it (or shifted once) counts other positions
+        for unshifted in (rows[1].loss_mask, peers_data.shift_mask(rows[1].loss_mask, 1)):
+            assert not torch.equal(peers_data.shift_mask(unshifted, k), ours)
 
-    class _Loaded:
-        path = tmp_path
-        model = type("M", (), {"config": type("C", (), {"tie_word_embeddings": True})()})()
 
-    cfg = specforge_config(s, {"loaded": _Loaded(), "fuse_layers": [2, 15, 27]},
-                           tmp_path / "data", tmp_path / "v.pt", tmp_path / "out")
-    assert cfg["model"]["aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang counts outputs
-    assert cfg["model"]["lm_head_key"] == "model.embed_tokens.weight"
-    assert cfg["training"]["ttt_length"] == 3 and cfg["training"]["max_steps"] == 40
+class _Tied:
+    def __init__(self, path):
+        self.path = path
+        self.model = type("M", (), {"config": type("C", (), {"tie_word_embeddings": True})()})()
+
+
+def test_specforge_config_carries_the_equal_settings(tmp_path):
+    
+    s = peers_train.equal_settings(_cfg(steps=40, warmup_steps=3, lr=0.002, precision="fp32",
+                                        sequences_per_step=4, seed=7))
+    prep = {"loaded": _Tied(tmp_path), "fuse_layers": [27, 2, 15]}
+    cfg = specforge_config(s, prep, tmp_path / "data", tmp_path / "v.pt", tmp_path / "out",
+                           target=tmp_path / "t", train_rows=50)
+    m, t = cfg["model"], cfg["training"]
+    assert m["aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang's ids, in layer order
+    assert m["lm_head_key"] == "model.embed_tokens.weight" and m["torch_dtype"] == "float32"
+    assert m["target_model_path"] == str(tmp_path / "t")
+    assert (t["max_steps"], t["total_steps"], t["batch_size"]) == (40, 40, 4)
+    assert t["num_epochs"] * 50 >= 40 * 4  # enough rows for the steps
+    assert (t["learning_rate"], t["max_grad_norm"], t["ttt_length"]) == (0.002, 1.0, 3)
+    assert int(t["warmup_ratio"] * 40) == 3  # its scheduler's warm-up steps
+    assert t["seed"] == 7 and t["attention_backend"] == "sdpa" and "kl_decay" not in t
+    for bad, match in (({"weight_decay": 0.1}, "weight_decay"), ({"betas": "[0.9,0.95]"}, "betas"),
+                       ({"decay": 0.5}, "decay=0.5")):
+        with pytest.raises(ValueError, match=match):
+            specforge_config(peers_train.equal_settings(_cfg(**bad)), prep, tmp_path, tmp_path,
+                             tmp_path)
+
+
+@pytest.mark.parametrize("steps", [4, 7, 40, 120, 1000, 4096])
+def test_specforge_warmup_ratio_gives_the_warmup_steps(steps):
+    from draftsmith.scripts.peers_specforge import warmup_ratio
+
+    for w in range(steps):
+        assert int(warmup_ratio(w, steps) * steps) == w, (w, steps)  # as its scheduler floors
+
+
+def test_specforge_vocab_mapping_and_target_folder(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftsmith.scripts.peers_specforge import specforge_target, vocab_mapping
+
+    d2t = torch.tensor([0, 2, 3, 7])
+    t2d = torch.zeros(10, dtype=torch.bool).index_fill_(0, d2t, True)
+    got = vocab_mapping(d2t, t2d)
+    assert got["d2t"].tolist() == [0, 1, 1, 4] and torch.equal(got["t2d"], t2d)  # offsets
+    with pytest.raises(ValueError, match="ascending"):
+        vocab_mapping(torch.tensor([0, 3, 2, 7]), t2d)
+    with pytest.raises(ValueError, match="t2d"):
+        vocab_mapping(d2t, t2d.roll(1))
+    target = tmp_path / "target"
+    target.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2), "model.norm.weight": torch.ones(2)},
+              str(target / "model.safetensors"))
+    (target / "config.json").write_text("{}")
+    staged = specforge_target(target, tmp_path / "staged")
+    index = __import__("json").loads((staged / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"model.embed_tokens.weight": "model.safetensors",
+                                   "model.norm.weight": "model.safetensors"}
+    assert (staged / "config.json").resolve() == (target / "config.json").resolve()
+    assert specforge_target(staged, tmp_path / "again") == staged  # an index: used as it is
+
+
+def test_specforge_loss_is_its_reference_with_its_kernels_gradient():
+    """The runner's plain-torch loss: SpecForge's reference ``-sum(mask * p * log_softmax(x),
+    2).mean()``, computed here position by position, and the gradient its Triton backward
+    writes, ``(softmax(x) - p) * mask / (B * T)``."""
+    from draftsmith.scripts.engine_runners.specforge_train import kl_loss
+
+    g = torch.Generator().manual_seed(0)
+    b, t, v = 2, 5, 7
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    logits.requires_grad_(True)
+    p = torch.softmax(torch.randn(b, t, v, generator=g), -1)
+    mask = (torch.rand(b, t, 1, generator=g) > 0.4).int()
+    loss = kl_loss(logits, p, mask)
+    expected = 0.0
+    for i in range(b):
+        for j in range(t):
+            if mask[i, j, 0]:
+                logq = logits[i, j].detach().float().log_softmax(-1)
+                expected -= float((p[i, j] * logq).sum())
+    assert loss.dtype == torch.float32
+    assert float(loss.detach()) == pytest.approx(expected / (b * t), rel=1e-5)
+    loss.backward()
+    want = (logits.detach().float().softmax(-1) - p) * mask / (b * t)
+    torch.testing.assert_close(logits.grad.float(), want, rtol=2e-2, atol=1e-4)
+    # the twin: a mean over the counted positions only is another loss
+    assert float(loss.detach()) != pytest.approx(expected / int(mask.sum()), rel=1e-3)
 
 
 def test_modelopt_rows_and_job_carry_the_equal_settings(tmp_path):
