@@ -68,7 +68,11 @@ class Proposer:
                 the tree's shape, the family's own ``options``).
             vocab_ids: sorted target ids to draft over (None: the whole vocabulary).
         """
-        raise NotImplementedError(f"{cls.__name__} drafts with no trained module")
+        # plain decoding, prompt lookup and suffix matches draft from the text alone: no draft
+        # family names them, and a module handed to them is a wiring error, said as such
+        raise TypeError(f"{cls.__name__} drafts with no trained module: a draft family's "
+                        "proposer must be one built from its module (EagleProposer, "
+                        "DraftLMProposer, MedusaProposer, DFlashProposer)")
 
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         """Start a request (see module docstring)."""

@@ -130,6 +130,14 @@ def test_every_family_names_a_proposer_that_builds_from_settings():
         assert family.tree in TreeKind
 
 
+def test_a_text_only_proposer_refuses_a_trained_module_by_name():
+    from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer
+
+    for cls in (PlainProposer, PromptLookupProposer):
+        with pytest.raises(TypeError, match=f"{cls.__name__} drafts with no trained module"):
+            cls.for_draft(object(), None, 96, None)
+
+
 def _record(temperature: float, k_star: int, depth: int, nodes: int, tree_speedup: float,
             chain_speedup: float) -> dict:
     return {"k_star": k_star, "dtype": "bfloat16", "hardware": {"device": "cpu"},
