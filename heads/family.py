@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.heads import dflash, dflash_train, draft_lm, eagle, eagle_ttt, medusa
+from draftsmith.heads import dflash, dflash_train, draft_lm, eagle, eagle_config, eagle_ttt, medusa
 from draftsmith.heads.family_base import DraftFamily, ExportFormat, HeadShape, TreeKind
 from draftsmith.heads.weights import WEIGHTS
 
@@ -253,7 +253,7 @@ class EagleFamily(DraftFamily):
     """An EAGLE feature-level head, EAGLE-1/2 and EAGLE-3 (``heads/eagle.py``)."""
 
     name = "eagle"
-    config_class = eagle.EagleConfig
+    config_class = eagle_config.EagleConfig
     proposer = "draftsmith.eval.decoding.proposers_eagle.EagleProposer"
     batch_drafter = "draftsmith.eval.decoding.batch_drafters.BatchEagle"
     tree_by_default = True
@@ -277,13 +277,13 @@ class EagleFamily(DraftFamily):
     def resolve_config(self, raw, target_config):
         """``fuse_layers: auto`` becomes EAGLE-3's low / middle / high layers of the target;
         ``draft_vocab_size: auto`` the target's vocabulary up to 32,768 ids, else 32,768 of its
-        most frequent (``heads.eagle.auto_draft_vocab_size``)."""
-        raw = eagle.resolve_fuse_layers(raw, target_config)
+        most frequent (``heads.eagle_config.auto_draft_vocab_size``)."""
+        raw = eagle_config.resolve_fuse_layers(raw, target_config)
         if raw.get("draft_vocab_size") == "auto":
             from draftsmith.heads.draft_config import text_config
 
             vocab = int(text_config(target_config).vocab_size)
-            raw["draft_vocab_size"] = eagle.auto_draft_vocab_size(vocab)
+            raw["draft_vocab_size"] = eagle_config.auto_draft_vocab_size(vocab)
             log.info("draft.config.draft_vocab_size=auto -> %s (a vocabulary of %d ids)",
                      raw["draft_vocab_size"] or "null: the target's own", vocab)
         return raw
@@ -347,7 +347,7 @@ class DFlashFamily(DraftFamily):
     def resolve_config(self, raw, target_config):
         """``fuse_layers: auto`` as EAGLE-3's; ``mask_token_id: auto`` (or null) becomes the
         target's pad id, else its EOS id (``heads.dflash.default_mask_token_id``)."""
-        raw = eagle.resolve_fuse_layers({"fuse_layers": "auto", **raw}, target_config)
+        raw = eagle_config.resolve_fuse_layers({"fuse_layers": "auto", **raw}, target_config)
         if raw.get("mask_token_id", "auto") in (None, "auto"):
             raw["mask_token_id"] = dflash.default_mask_token_id(target_config)
             log.info("draft.config.mask_token_id=auto -> %d (the target's pad id, else EOS id)",

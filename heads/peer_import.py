@@ -254,7 +254,7 @@ def peer_as_draft(path: str | Path, target: Any) -> Any:
         PeerCheckpointError: not a peer folder the head reads exactly, or made for another
             target (shape, vocabulary, or a stored embedding that is not the target's).
     """
-    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.heads.family import get_family
     from draftsmith.heads.package import DraftPackage
 

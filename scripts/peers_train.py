@@ -19,7 +19,8 @@ with equal settings, every checkpoint scored by one evaluator (``make peers``).
    per step), gradients clipped at 1, ``precision`` and ``threads``.
 
    * draftsmith: ``train/distill.py`` as a subprocess (its recipe otherwise: forward KL, the
-     feature noise of the preset), validation and checkpoints only at the last step.
+     feature noise of the preset, and ``recipe``'s overrides: the reduced LM head trained from
+     a fresh start), validation and checkpoints only at the last step.
    * speculators 0.9.0: its trainer (``speculators.train``) through
      ``scripts/engine_runners/speculators_train.py`` (the CPU wrapper, its patches listed
      there), with ``--loss-implementation eager --draft-attn-impl sdpa --num-workers 0``,
@@ -55,6 +56,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -118,8 +120,9 @@ def equal_settings(cfg: Any) -> Settings:
 
 
 def draftsmith_overrides(s: Settings, experiment: str, out_dir: Path,
-                         target_dtype: str) -> list[str]:
-    """``train/distill.py`` overrides that train the head with the equal settings."""
+                         target_dtype: str, recipe: Sequence[str] = ()) -> list[str]:
+    """``train/distill.py`` overrides that train the head with the equal settings, then
+    draftsmith's own ``recipe`` overrides (choices the trainers do not share)."""
     mixed, _ = PRECISIONS[s.precision]
     return [f"experiment={experiment}", f"out_dir={out_dir}", f"seed={s.seed}",
             f"target.dtype={target_dtype}", "data.features=offline",
@@ -131,7 +134,8 @@ def draftsmith_overrides(s: Settings, experiment: str, out_dir: Path,
             f"optim.optimizer.weight_decay={s.weight_decay}",
             f"optim.optimizer.betas=[{s.betas[0]},{s.betas[1]}]",
             f"draft.num_positions={s.positions}",
-            f"draft.position_weights=[{','.join(f'{w:g}' for w in s.position_weights)}]"]
+            f"draft.position_weights=[{','.join(f'{w:g}' for w in s.position_weights)}]",
+            *recipe]
 
 
 def speculators_args(s: Settings, data: dict, verifier: Path, save_path: Path,
@@ -203,7 +207,8 @@ def prepare(cfg: DictConfig, s: Settings) -> dict[str, Any]:
 def train_draftsmith(cfg: DictConfig, s: Settings, prep: dict, work: Path) -> dict:
     out = work / "draftsmith"
     cmd = [sys.executable, str(REPO / "train" / "distill.py"),
-           *draftsmith_overrides(s, str(cfg.experiment), out, str(prep["dcfg"].target.dtype)),
+           *draftsmith_overrides(s, str(cfg.experiment), out, str(prep["dcfg"].target.dtype),
+                                 cfg.recipe),
            *cfg.data_overrides]
     code, wall, rss = run_trainer("draftsmith", cmd, work / "draftsmith.log", cfg.timeout_s,
                                   s.threads)

@@ -180,7 +180,8 @@ def decode_setup(tmp_path_factory):
 def draft_package(setup: dict, kind: str) -> tuple[Path, str]:
     """The ``kind`` ("lm", "medusa", "eagle", "dflash") package on ``decode_setup``'s target and
     the export format that reads back as it."""
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.heads.medusa import MedusaConfig, build_medusa
     from draftsmith.heads.package import save_package
 

@@ -37,7 +37,8 @@ def target_model():
 
 
 def make(name: str, model):
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
 
     if name == "plain":
         return PlainProposer()

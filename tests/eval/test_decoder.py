@@ -86,7 +86,8 @@ def make_proposer(name: str, model):
         return MedusaProposer(build_medusa(MedusaConfig(num_heads=3), model).eval(), VOCAB,
                               medusa_choices((3, 2, 1)))
     if name in ("eagle", "eagle-tree"):
-        from draftsmith.heads.eagle import EagleConfig, build_eagle
+        from draftsmith.heads.eagle import build_eagle
+        from draftsmith.heads.eagle_config import EagleConfig
         torch.manual_seed(4)
         head = build_eagle(EagleConfig(), model).eval()
         return EagleProposer(head, VOCAB, tree=name == "eagle-tree", topk=3, total_tokens=10)

@@ -314,7 +314,8 @@ def _deep_proposer(kind: str, model):
 
     from draftsmith.eval.decoding.proposers import DraftLMProposer
     from draftsmith.eval.decoding.proposers_eagle import EagleProposer
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
     from tests.conftest import randomize
 
     tree = "-tree" in kind

@@ -34,7 +34,8 @@ def target_model():
 
 
 def _eagle_head(model):
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
 
     torch.manual_seed(4)
     return build_eagle(EagleConfig(), model).eval()
@@ -134,7 +135,8 @@ def test_head_rows_of_an_int8_lm_head_are_its_dequantized_rows(target_model):
 def test_a_reduced_vocabulary_eagle_head_drafts_over_a_subset_of_its_own_ids(target_model):
     """draft_vocab on a head trained with a reduced vocabulary: the rows of its own ids that are
     in the subset, with the logits the whole head gives them (measure.py searches these sizes)."""
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
 
     counts = torch.arange(VOCAB, 0, -1)  # ids 0..15 most frequent: the head's vocabulary
     head = build_eagle(EagleConfig(draft_vocab_size=16), target_model, token_counts=counts).eval()

@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_target, randomize
 from omegaconf import OmegaConf
 
-from draftsmith.heads.eagle import EagleConfig
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.exports import export_format, export_formats, format_families
 from draftsmith.heads.family import FAMILIES, get_family
 from draftsmith.heads.family_base import HeadStateError, load_object
@@ -303,7 +303,7 @@ def test_every_family_builds_an_empty_head_of_the_trained_shapes():
     """``empty_head`` (what a package's weights are loaded into) has the shapes ``build`` makes;
     the base class declares both abstract, so a family without them cannot be created."""
     from draftsmith.heads.draft_lm import DraftLMConfig
-    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.heads.family import get_family
     from draftsmith.heads.family_base import DraftFamily
     from draftsmith.heads.medusa import MedusaConfig

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from draftsmith.heads import draft_lm, eagle_ttt, medusa
 from draftsmith.heads.draft_lm import DraftLMConfig, apply_lora, build_draft_lm
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_eagle
+from draftsmith.heads.eagle import EagleHead, build_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.medusa import MedusaConfig, build_medusa
 from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.train.losses import DistillLoss

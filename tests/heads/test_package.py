@@ -232,7 +232,8 @@ def test_process_killed_mid_write_leaves_old_package_or_none(tmp_path):
 
 
 def test_eagle_round_trip_with_and_without_target(tmp_path):
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
 
     target = make_tiny_target()
     tc = target.model.config

@@ -20,7 +20,8 @@ from conftest import eagle3_draft_logits, make_tiny_target, randomize
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval import decode
-from draftsmith.heads.eagle import EagleConfig, build_eagle
+from draftsmith.heads.eagle import build_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.package import save_package
 from draftsmith.heads.peer_format import PeerCheckpointError, peer_format
 from draftsmith.heads.peer_import import peer_as_draft, read_peer

@@ -106,7 +106,7 @@ class _Pkg:
 
 def test_draft_lengths_follow_the_head_and_the_engine():
     from draftsmith.heads.dflash import DFlashConfig
-    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.eagle_config import EagleConfig
 
     cfg = _cfg(k=2, sweep=[1, 2, 3, 7, 9])
     eagle = _Pkg(get_family("eagle"), EagleConfig())

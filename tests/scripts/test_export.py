@@ -19,7 +19,8 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.data.identity import TargetIdentity, TargetMismatchError
 from draftsmith.heads.draft_lm import DraftLMConfig, build_draft_lm
-from draftsmith.heads.eagle import EagleConfig, build_eagle
+from draftsmith.heads.eagle import build_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.exports import export_format, import_export
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.medusa import MedusaConfig, build_medusa

@@ -58,7 +58,8 @@ def tiny_smollm_target(real_target, tmp_path_factory):
 
 
 def _eagle3_package(target, root: Path, vocab: int = 64) -> Path:
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.heads.package import save_package
 
     cfg = EagleConfig(layout="eagle3", fuse_layers=FUSE, draft_vocab_size=vocab, ttt_steps=2)
@@ -155,7 +156,8 @@ def test_a_head_for_a_qwen2_target_is_refused_before_converting(tmp_path, monkey
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from draftsmith.data.identity import TargetIdentity
-    from draftsmith.heads.eagle import EagleConfig, build_eagle
+    from draftsmith.heads.eagle import build_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.heads.package import save_package
 
     torch.manual_seed(0)

@@ -32,7 +32,8 @@ def test_peers_config_composes_and_its_settings_validate():
 def test_draftsmith_overrides_set_the_equal_settings_in_the_composed_recipe(tmp_path):
     s = peers_train.equal_settings(_cfg(steps=37, lr=0.002, warmup_steps=5, decay=0.5,
                                         precision="fp32", threads=3, sequences_per_step=6))
-    overrides = peers_train.draftsmith_overrides(s, "quickstart", tmp_path, "float32")
+    overrides = peers_train.draftsmith_overrides(s, "quickstart", tmp_path, "float32",
+                                                 _cfg().recipe)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="distill", overrides=overrides)
     got = OmegaConf.to_container(cfg, resolve=True)
@@ -46,6 +47,7 @@ def test_draftsmith_overrides_set_the_equal_settings_in_the_composed_recipe(tmp_
     assert got["draft"]["num_positions"] == 3 and got["draft"]["config"]["ttt_steps"] == 3
     assert got["draft"]["position_weights"] == pytest.approx([1.0, 0.5, 0.25])
     assert got["draft"]["config"]["layout"] == "eagle3"
+    assert got["draft"]["config"]["lm_head"] == "random"  # draftsmith's recipe beyond the preset
     assert got["data"]["features"] == "offline" and got["target"]["dtype"] == "float32"
 
 

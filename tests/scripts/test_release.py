@@ -9,7 +9,8 @@ import torch
 from conftest import make_tiny_target
 from safetensors.torch import load_file
 
-from draftsmith.heads.eagle import EagleConfig, build_eagle
+from draftsmith.heads.eagle import build_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.package import load_package, save_package, verify_package
 from draftsmith.heads.signing import (
