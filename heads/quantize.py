@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 SCHEMES = ("int8", "int8_dynamic", "int4")
+WEIGHT_ONLY = ("int8", "int4")  # int8 / int4 weights, float activations: dequantizable
 FP32_ONLY = ("int8_dynamic",)  # schemes whose kernels take float32 inputs only
 
 
@@ -162,6 +163,25 @@ def quantize(module: nn.Module, scheme: str, names: list[str],
         linear = getattr(owner, leaf)
         setattr(owner, leaf, Int4Linear(linear) if scheme == "int4"
                 else Int8Linear(linear, stored.get(name)))
+    return module
+
+
+def dequantize(module: nn.Module) -> nn.Module:
+    """Replace every weight-only int8 / int4 layer of ``module`` by an ``nn.Linear`` holding its
+    dequantized weights (the weights the layer multiplies by), in place; returns ``module``.
+    What a float layout (an engine's export) can carry of a quantized copy."""
+    for name, m in list(module.named_modules()):
+        if not isinstance(m, (Int8Linear, Int4Linear)):
+            continue
+        w = m.weight.detach()
+        linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                           device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+            if m.bias is not None:
+                linear.bias.copy_(m.bias)
+        parent, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, leaf, linear)
     return module
 
 

@@ -49,6 +49,7 @@ from draftsmith.heads.family_base import DraftFamily, load_object
 from draftsmith.heads.manifest import MANIFEST, write_manifest
 from draftsmith.heads.package import FORMAT_VERSION, load_package
 from draftsmith.heads.publish import staged
+from draftsmith.heads.quantize import WEIGHT_ONLY, dequantize
 from draftsmith.heads.vocab import TOKEN_FREQUENCY
 from draftsmith.scripts.export_formats import (
     REFERENCE_FILES,
@@ -183,10 +184,16 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
         raise ValueError(f"reference_files=true for format={fmt} stores the target's embedding: "
                          "load the target (check_target=true or target_path=...)")
     pkg = load_package(draft, target=target, allow_unverified=allow_unverified)
-    if pkg.info.get("quantization"):
-        raise ValueError(f"draft={draft} is an {pkg.info['quantization'].get('scheme')} copy "
-                         "(scripts/quantize.py); engines load float layouts: export the package "
-                         "it was made from")
+    quant = pkg.info.get("quantization")
+    if quant and quant.get("scheme") not in WEIGHT_ONLY:
+        raise ValueError(f"draft={draft} is an {quant.get('scheme')} copy (scripts/quantize.py) "
+                         "whose weights are quantized per call; engines load float layouts: "
+                         "export the package it was made from")
+    if quant:  # engines load float layouts: the weights the copy multiplies by
+        dequantize(pkg.module)
+        log.warning("draft=%s is an %s copy: the export holds its dequantized weights (what the "
+                    "copy computes with), in %s", draft, quant["scheme"],
+                    str(dtype).removeprefix("torch."))
     if fmt not in pkg.family.export_formats:
         names = " or ".join(f"'{f.name}'" for f in format_families(fmt))
         raise ValueError(f"format={fmt} exports {names} drafts, but {draft} "
@@ -226,7 +233,8 @@ def export_package(draft: str | Path, fmt: str, out: str | Path, target: Any = N
             "draft_kind": pkg.family.name, "target": pkg.info["target"],
             "head_config": pkg.info["head_config"], "target_config": pkg.info.get("target_config"),
             "training_config": src.get("training_config"), "num_speculative_tokens": k,
-            "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path)})
+            "dtype": str(dtype).removeprefix("torch."), "source_package": str(pkg.path),
+            **({"dequantized_from": quant["scheme"]} if quant else {})})
         if pkg.info.get("signer") is not None:  # an unverified source gives an unsigned export
             from draftsmith.heads.signing import sign_folder
             sign_folder(tmp)

@@ -21,8 +21,8 @@ CHAIN = {"k": 3, "tree": "chain", "tree_size": None, "tree_topk": 8, "medusa_bra
          "draft_vocab": "full", "device": "cpu", "dtype": "float32"}
 
 
-def _reduced_eagle(tmp_path):
-    pkg, _, target = _eagle3_package(tmp_path)
+def _reduced_eagle(tmp_path, layout: str = "eagle1"):
+    pkg, _, target = _eagle3_package(tmp_path, layout)
     return pkg, target
 
 
@@ -139,10 +139,31 @@ def test_bad_quantization_records_and_devices_are_refused(tmp_path):
         load_package(out, target=target)
 
 
-def test_an_int8_copy_is_not_exported(tmp_path):
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_weight_only_copy_exports_its_dequantized_weights(tmp_path, scheme):
+    """Engines load float layouts: the export of an int8 / int4 copy carries the weights the copy
+    multiplies by, so the engine's head drafts as the copy does (not as the float source)."""
+    from draftsmith.heads.exports import import_export
+    from draftsmith.heads.manifest import MANIFEST
     from draftsmith.scripts.export import export_package
 
-    src, target = _reduced_eagle(tmp_path)
-    out = quantize_package(src, tmp_path / "int8")
+    src, target = _reduced_eagle(tmp_path, "eagle3")  # the layout EAGLE-3 engines serve
+    out = quantize_package(src, tmp_path / scheme, scheme)
+    exp = export_package(out, "eagle3", tmp_path / "export", target=target)
+    assert json.loads((exp / MANIFEST).read_text())["dequantized_from"] == scheme
+    copy = load_package(out, target=target).module
+    back = import_export(exp, target=target).module
+    assert isinstance(back.layer.mlp.down_proj, torch.nn.Linear)
+    torch.testing.assert_close(back.layer.mlp.down_proj.weight, copy.layer.mlp.down_proj.weight)
+    torch.testing.assert_close(back.lm_head.weight, copy.lm_head.weight)
+    float_head = load_package(src, target=target).module
+    assert not torch.allclose(back.lm_head.weight, float_head.lm_head.weight, atol=1e-6)
+
+
+def test_a_copy_quantized_per_call_is_not_exported(tmp_path):
+    from draftsmith.scripts.export import export_package
+
+    src, target = _reduced_eagle(tmp_path, "eagle3")
+    out = quantize_package(src, tmp_path / "int8_dynamic", "int8_dynamic")
     with pytest.raises(ValueError, match="export the package it was made from"):
-        export_package(out, "eagle", tmp_path / "export", target=target)
+        export_package(out, "eagle3", tmp_path / "export", target=target)

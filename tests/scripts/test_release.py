@@ -29,9 +29,10 @@ COMMITTED = Path(__file__).resolve().parents[2] / "releases" / "eagle3-smollm2-1
 RELEASE_RECIPES = Path(__file__).resolve().parents[2] / "conf" / "release"
 
 
-def _eagle3_package(tmp_path):
+def _eagle3_package(tmp_path, layout: str = "eagle1"):
     target = make_tiny_target()
-    cfg = EagleConfig(fuse_layers=[0, 2], draft_vocab_size=16)
+    fuse = [0, 2] if layout == "eagle1" else [0, 1]  # eagle3: layers before the final norm
+    cfg = EagleConfig(fuse_layers=fuse, draft_vocab_size=16, layout=layout)
     counts = torch.arange(target.model.config.vocab_size, dtype=torch.long)
     head = build_eagle(cfg, target.model, token_counts=counts)
     with torch.no_grad():
