@@ -58,6 +58,7 @@ from draftsmith.data.cache_spec import (
 )
 from draftsmith.data.identity import sha256_file
 from draftsmith.data.teacher import logit_softcap, teacher_log_normalizer
+from draftsmith.train.malloc import trim_freed_memory
 
 # auto takes float16 while the probe's largest magnitude is below this fraction of its range
 # (65,504): other batches may reach further
@@ -150,6 +151,7 @@ def _write_shard(model: torch.nn.Module, rows: Sequence[dict], layers: Sequence[
                                 store_final)
         for i, f in zip(idx, batch):
             feats[i] = f
+        trim_freed_memory()  # (n, V) log-normaliser temporaries grow with the sorted lengths
         if on_batch is not None:
             on_batch(sum(len(rows[i]["input_ids"]) for i in idx))
     lens = [len(r["input_ids"]) for r in rows]

@@ -13,7 +13,7 @@ micro-batch with its teacher paths in ``train/objective.py``, the losses and met
 """
 from __future__ import annotations
 
-from draftsmith.train.malloc import restart_as_command
+from draftsmith.train.malloc import restart_as_command, trim_freed_memory
 
 restart_as_command(__name__, "draftsmith-distill")  # the tuned allocator, before torch loads
 
@@ -59,7 +59,6 @@ from draftsmith.train.runtime import (
     own_batch_count,
     peer_lost,
     rank_placement,
-    trim_freed_memory,
 )
 from draftsmith.train.trainable import build_trainable
 

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -22,42 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
 
 from draftsmith.train.config import ConfigError
-from draftsmith.train.malloc import MALLOC_SWITCH
 
 log = logging.getLogger("draftsmith.distill")
-
-RESIDENT_LIMIT = 0.5  # of physical memory: above it the tuned heap's free blocks are handed back
-_trims = {"count": 0}
-
-
-def trim_freed_memory(limit_fraction: float = RESIDENT_LIMIT) -> bool:
-    """Hand the heap's freed pages back to the kernel (glibc ``malloc_trim``) when this process
-    holds more than ``limit_fraction`` of the machine's memory; True when it trimmed.
-
-    The tuned allocator (train/malloc.py) keeps every freed block resident so that (N, V)
-    temporaries are not page-faulted in anew each step. With a large vocabulary and
-    varying batch shapes those blocks fragment the heap and resident memory grows past what is
-    live (Gemma 3's 262,144-id draft LM reached 24 GB, the kernel's OOM kill, for an 11.7 GiB
-    estimate). Trimming returns the free pages only when memory is scarce, so small runs keep
-    the speed. Called after every micro-batch; a no-op off Linux or with ``DRAFTSMITH_MALLOC=off``.
-    """
-    if os.environ.get(MALLOC_SWITCH) != "tuned" or not sys.platform.startswith("linux"):
-        return False
-    page = os.sysconf("SC_PAGE_SIZE")
-    with open("/proc/self/statm") as f:
-        resident = int(f.read().split()[1]) * page
-    if resident <= limit_fraction * os.sysconf("SC_PHYS_PAGES") * page:
-        return False
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    _trims["count"] += 1
-    if _trims["count"] == 1:
-        log.info("resident memory %.1f GB is over %.0f%% of this machine's: freed heap pages are "
-                 "handed back after each micro-batch from now on (train/runtime.py "
-                 "trim_freed_memory)", resident / 1e9, 100 * limit_fraction)
-    return True
-
 
 def cpu_threads(requested: int | None) -> int:
     """Torch threads for this process on CPU: ``requested``, else this machine's usable cores

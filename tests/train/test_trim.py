@@ -10,15 +10,14 @@ import sys
 import pytest
 import torch
 
-from draftsmith.train.malloc import MALLOC_SWITCH, SHAPE_CACHES, TUNED_MALLOC
-from draftsmith.train.runtime import trim_freed_memory
+from draftsmith.train.malloc import MALLOC_SWITCH, SHAPE_CACHES, TUNED_MALLOC, trim_freed_memory
 
 # Under the tuned allocator: allocate 40 blocks of 8 MB, free every other one with a live block
 # between (fragments the heap: nothing at its top to release), then call the valve.
 SCRIPT = """
 import os
 import torch
-from draftsmith.train.runtime import trim_freed_memory
+from draftsmith.train.malloc import trim_freed_memory
 
 def resident():
     with open("/proc/self/statm") as f:
