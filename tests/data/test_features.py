@@ -447,7 +447,7 @@ def test_caching_hands_freed_heap_pages_back_after_every_batch(tmp_path, tiny_ta
     """Each batch's (n, V) log-normaliser temporaries grow with the sorted lengths; under the
     tuned allocator they fragmented the heap until the kernel killed a Qwen 1.5B cache at 24 GB.
     The valve (train/malloc.py) is asked after every batch, so memory over its limit goes back."""
-    import draftsmith.data.features as features
+    from draftsmith.data import features
 
     calls = []
     monkeypatch.setattr(features, "trim_freed_memory", lambda: calls.append(1) or False)
