@@ -24,6 +24,7 @@ from draftsmith.train.config import ConfigError
 
 log = logging.getLogger("draftsmith.distill")
 
+
 def cpu_threads(requested: int | None) -> int:
     """Torch threads for this process on CPU: ``requested``, else this machine's usable cores
     divided by the processes launched on it (at least 1).
