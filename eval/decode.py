@@ -71,7 +71,7 @@ def baseline_proposer(draft: Any) -> Proposer | None:
     return None
 
 
-def _validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig) -> None:
     """Every setting and ``out``, before any model is loaded (measure.py and bench.py reuse the
     sampling, prompt and draft checks)."""
     TreeMode.parse(cfg.tree)
@@ -100,6 +100,9 @@ def _validate(cfg: DictConfig) -> None:
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
     check_layout(str(cfg.get("batch_layout", "padded")), "batch_layout")
+    if cfg.get("compile_draft", False) not in (True, False):
+        raise ValueError(f"compile_draft={cfg.get('compile_draft')!r}: allowed false or true "
+                         "(torch.compile the EAGLE head's step)")
     if cfg.get("suffix", True) not in (True, False):
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
@@ -119,14 +122,13 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         cfg: the decode config (``conf/eval/decode.yaml`` keys).
         loaded: an already loaded ``LoadedTarget`` (else loaded from ``cfg.target_path``).
     """
-    _validate(cfg)
+    validate(cfg)
     batch_size = int(cfg.get("batch_size") or 1)
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))  # auto: the faster one measured here
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer
     records = session.prompt_records(cfg.prompts, tok, cfg.limit)
     proposer, k, k_source = make_proposer(cfg, loaded)
-    plain = proposer.name == "plain"
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
     tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
@@ -140,41 +142,50 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         # a check of the measurement itself); plain without a baseline is 1.0x by definition
         res = session.paired(dec, model, records, sampling, eos, baseline=bool(cfg.baseline),
                              noise_tolerance=tolerance)
-    samples, stats = res.samples, res.stats
-    measured = res.baseline_tokens_per_s is not None
-    base_tps = res.baseline_tokens_per_s if measured or not plain else stats.tokens_per_s
+    summary = summarize(cfg, res, proposer, dec, k, k_source, batch_size)
+    samples = res.samples
     for s in samples:
         s["output_text"] = tok.decode(s["output_ids"], skip_special_tokens=True)
-    spread = res.speedup_spread
-    summary = {**stats.to_dict(),
-               "speedup": res.speedup if measured else (1.0 if plain else None),
-               "speedup_spread": list(spread) if spread else None, "noisy": res.noisy,
-               "noise_tolerance": tolerance, "noisy_prompts": res.noisy_prompts if measured
-               else None,
-               "baseline_tokens_per_s": base_tps, "matches_baseline": res.matches_baseline,
-               "k": k, "k_source": k_source,
-               "tree": proposer.tree,
-               "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
-               "tree_draw": (getattr(proposer, "tree_draw", None)
-                             if proposer.tree and float(cfg.temperature) > 0 else None),
-               "draft_vocab": getattr(proposer, "draft_vocab", None),
-               "draft_kind": proposer.name,
-               # beside the suffix proposer: the rounds drafted from the suffix match, the
-               # package or both (None: the package alone, or no package)
-               "suffix_rounds": (dict(proposer.choices) if isinstance(proposer, SuffixProposer)
-                                 and proposer.inner is not None else None),
-               "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
-               "device": str(dec.target.device), "dtype": cfg.dtype,
-               "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),
-               "top_p": float(cfg.top_p), "prompts": str(cfg.prompts), "limit": cfg.limit,
-               "max_new_tokens": int(cfg.max_new_tokens), "n_samples": len(samples),
-               "batch_size": batch_size}
     result = {"summary": summary, "samples": samples}
     if cfg.out:
         out = Path(str(cfg.out)).expanduser()
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k: int,
+              k_source: str, batch_size: int = 1) -> dict[str, Any]:
+    """The JSON ``summary`` of a paired run ``res`` (:class:`~eval.session.Paired`) of
+    ``proposer`` through ``dec`` (:func:`run`; eval/compare.py, one per draft)."""
+    plain = proposer.name == "plain"
+    stats = res.stats
+    measured = res.baseline_tokens_per_s is not None
+    base_tps = res.baseline_tokens_per_s if measured or not plain else stats.tokens_per_s
+    spread = res.speedup_spread
+    return {**stats.to_dict(),
+            "speedup": res.speedup if measured else (1.0 if plain else None),
+            "speedup_spread": list(spread) if spread else None, "noisy": res.noisy,
+            "noise_tolerance": res.noise_tolerance,
+            "noisy_prompts": res.noisy_prompts if measured else None,
+            "baseline_tokens_per_s": base_tps, "matches_baseline": res.matches_baseline,
+            "k": k, "k_source": k_source,
+            "tree": proposer.tree,
+            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
+            "tree_draw": (getattr(proposer, "tree_draw", None)
+                          if proposer.tree and float(cfg.temperature) > 0 else None),
+            "draft_vocab": getattr(proposer, "draft_vocab", None),
+            "draft_kind": proposer.name,
+            # beside the suffix proposer: the rounds drafted from the suffix match, the
+            # package or both (None: the package alone, or no package)
+            "suffix_rounds": (dict(proposer.choices) if isinstance(proposer, SuffixProposer)
+                              and proposer.inner is not None else None),
+            "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
+            "device": str(dec.target.device), "dtype": cfg.dtype,
+            "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),
+            "top_p": float(cfg.top_p), "prompts": str(cfg.prompts), "limit": cfg.limit,
+            "max_new_tokens": int(cfg.max_new_tokens), "n_samples": len(res.samples),
+            "batch_size": batch_size}
 
 
 def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
@@ -186,6 +197,11 @@ def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
         plan = settle(cfg, pkg)
         vocab = int(loaded.model.config.vocab_size)
         proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
+        if cfg.get("compile_draft", False):
+            if not hasattr(proposer, "compile"):
+                raise ValueError(f"compile_draft=true applies to EAGLE heads, not to a "
+                                 f"{pkg.family.name} draft; use compile_draft=false")
+            proposer.compile()
         if cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1 and plan.k > 0:
             proposer = SuffixProposer(proposer, vocab)  # batches draft the package alone
         return proposer, plan.k, plan.k_source

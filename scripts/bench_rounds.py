@@ -75,7 +75,9 @@ def decode_config(cfg: DictConfig, method: str) -> DictConfig:
         "prompts": str(repo_path(cfg.questions)), "limit": int(cfg.limit),
         "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature),
         "adaptive_k": bool(cfg.adaptive_k), "fallback": bool(cfg.adaptive_k),
-        "dtype": cfg.dtype, "device": cfg.device, "seed": int(cfg.seed), "out": None})
+        "dtype": cfg.dtype, "device": cfg.device, "seed": int(cfg.seed), "out": None,
+        "compile_draft": cfg.compile_draft if trained else False,
+        **({"tree": str(cfg.tree)} if trained else {})})
 
 
 def _validate(cfg: DictConfig) -> list[str]:
@@ -95,6 +97,8 @@ def _validate(cfg: DictConfig) -> list[str]:
         methods = [m for m in methods if m not in ("draft", "hybrid")]
     elif not repo_path(cfg.draft).is_dir():
         raise ValueError(f"draft={cfg.draft}: no such folder (a draft package), or null")
+    else:  # the trained methods' decode.py settings (tree, compile_draft), by decode.py's checks
+        decode.validate(decode_config(cfg, "draft"))
     if not methods:
         raise ValueError("nothing to run: methods are empty (draft and hybrid need draft=DIR)")
     if not str(cfg.name).replace("_", "").replace("-", "").isalnum():
@@ -176,7 +180,7 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     dec.round_clock = plain.round_clock = CLOCKS[str(cfg.clock)]
     res = session.paired(dec, loaded.model, records, sampling, eos, plain=plain)
     row = {"method": method, "date": environment(cfg.device)["date"], "clock": str(cfg.clock),
-           "draft_kind": proposer.name,
+           "draft_kind": proposer.name, "compile_draft": bool(dcfg.compile_draft),
            "k": k, "k_source": k_source,
            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
            **summarize(dec.round_log, plain.round_log),
@@ -240,7 +244,9 @@ def markdown(results: dict[str, dict]) -> str:
             sp = (f"{_f(r['speedup'], '.2f')}x ({_f(spread[0], '.2f')}-{_f(spread[1], '.2f')})"
                   + (" noisy" if r.get("noisy") else ""))
             lines.append(
-                f"| {r['method']} ({r['draft_kind']}) | {r['k']} ({r['k_source']}) | "
+                f"| {r['method']} ({r['draft_kind']}"
+                f"{', torch.compile' if r.get('compile_draft') else ''}) | "
+                f"{r['k']} ({r['k_source']}) | "
                 f"{_f(r.get('nodes_per_round'))} | {_f(r.get('draft_ms'))} | "
                 f"{_f(r.get('verify_ms'))} | {_f(r.get('bookkeeping_ms'))} | "
                 f"{_f(r['plain_step_ms'])} | {_f(r.get('overhead_of_plain_step'), '.0%')} | "

@@ -36,7 +36,7 @@ from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.target_model import TargetOutput, cache_kwarg, layer_masks, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
-from draftsmith.heads.quantize import Int8Linear
+from draftsmith.heads.quantize import Int4Linear, Int8Linear
 
 
 class Proposer:
@@ -143,9 +143,9 @@ def head_rows(head: nn.Module, vocab_ids: torch.Tensor, vocab_size: int,
         raise ValueError("vocab_ids must be sorted ascending without repeats")
     scaled = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")
               if getattr(config, a, None) not in (None, 1, 1.0)]
-    # an int8 LM head (heads.quantize.Int8Linear, bias-free) gives its rows dequantized: the same
-    # logits up to rounding, in the decoding dtype
-    if not isinstance(head, (nn.Linear, Int8Linear)) or head.bias is not None or scaled:
+    # an int8 / int4 LM head (heads.quantize.Int8Linear / Int4Linear, bias-free) gives its rows
+    # dequantized: the same logits up to rounding, in the decoding dtype
+    if not isinstance(head, (nn.Linear, Int8Linear, Int4Linear)) or head.bias is not None or scaled:
         raise ValueError(f"the logits are not a bias-free linear map of the hidden state "
                          f"({scaled or type(head).__name__}): a draft vocabulary cannot be cut "
                          "from this LM head; use draft_vocab=full")

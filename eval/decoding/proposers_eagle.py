@@ -81,6 +81,13 @@ class EagleProposer(DraftVocabMixin, Proposer):
         self._pending_feats: list[torch.Tensor] = []
         self._pending_tokens: list[int] = []
 
+    def compile(self) -> None:
+        """``torch.compile`` the head's forward and its LM-head call (dynamic shapes: tree depths
+        and the cache grow between calls). On a 2-core CPU it did not pay (bench/rounds, rows
+        ``torch.compile``), so decode.py's ``compile_draft`` is off by default."""
+        self.head.forward = torch.compile(self.head.forward, dynamic=True)
+        self._logits = torch.compile(self._logits, dynamic=True)
+
     def _features(self, out: TargetOutput) -> torch.Tensor:
         """``(T, kH)`` features of the target output rows (final hidden, or fused layers)."""
         if not self.layer_ids:

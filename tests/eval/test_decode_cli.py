@@ -315,6 +315,31 @@ def test_bad_draft_vocab_values_are_refused(decode_setup):
         _decode(decode_setup, pkg, "limit=1", "draft_vocab=40")
 
 
+def test_compile_draft_compiles_the_eagle_step_and_stays_lossless(decode_setup, monkeypatch):
+    """compile_draft=true hands the head's forward and the LM-head call to torch.compile
+    (recorded here, not compiled: inductor's first build takes about a minute on two cores; the
+    measured rows are in bench/rounds) and the decode still equals plain decoding."""
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append((getattr(fn, "__name__", ""), kwargs))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    pkg, _ = draft_package(decode_setup, "eagle")
+    summary = _decode(decode_setup, pkg, "limit=2", "compile_draft=true", "suffix=false")["summary"]
+    assert [name for name, _ in compiled] == ["forward", "_logits"]
+    assert all(kw == {"dynamic": True} for _, kw in compiled)
+    assert summary["matches_baseline"] == 1.0
+    compiled.clear()
+    _decode(decode_setup, pkg, "limit=1", "baseline=false")  # off by default
+    assert compiled == []
+    with pytest.raises(ValueError, match="compile_draft=true applies to EAGLE heads, not to a lm"):
+        _decode(decode_setup, decode_setup["lm"], "limit=1", "compile_draft=true")
+    with pytest.raises(ValueError, match="compile_draft='yes': allowed false or true"):
+        _decode(decode_setup, pkg, "limit=1", "compile_draft=yes")
+
+
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, tmp_path, kind):
     import shutil

@@ -13,7 +13,7 @@ from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.decoding.proposal import DecodeContext, Sampling
 from draftsmith.eval.decoding.proposers import DraftLMProposer, head_rows
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
-from draftsmith.heads.quantize import Int8Linear
+from draftsmith.heads.quantize import Int4Linear, Int8Linear
 from draftsmith.heads.vocab import (
     TOKEN_FREQUENCY,
     counts_from_record,
@@ -125,10 +125,11 @@ def test_head_rows_refuses_what_a_row_subset_would_change(target_model):
         head_rows(head, SUBSET, VOCAB, cfg)
 
 
-def test_head_rows_of_an_int8_lm_head_are_its_dequantized_rows(target_model):
-    head = Int8Linear(target_model.get_output_embeddings())
+@pytest.mark.parametrize("layer", [Int8Linear, Int4Linear])
+def test_head_rows_of_an_int8_or_int4_lm_head_are_its_dequantized_rows(target_model, layer):
+    head = layer(target_model.get_output_embeddings())
     rows = head_rows(head, SUBSET, VOCAB)
-    assert torch.equal(rows, head.weight[SUBSET])  # the int8 values times their scales
+    assert torch.equal(rows, head.weight[SUBSET])  # the int8 / int4 values times their scales
     assert not torch.equal(rows, target_model.get_output_embeddings().weight[SUBSET])
 
 

@@ -43,6 +43,10 @@ def test_round_anatomy_on_a_tiny_target(decode_setup, tmp_path):
     stored = json.loads((tmp_path / "rounds" / "results.json").read_text())
     assert [r["method"] for r in stored["tiny"]["methods"]] == list(bench_rounds.METHODS)
     assert stored["tiny"]["methods"][1]["date"] >= stored["tiny"]["methods"][0]["date"]
+    cfg.name, cfg.merge, cfg.methods, cfg.tree = "chain", False, ["draft"], "chain"
+    assert bench_rounds.run(cfg)["methods"][0]["draft_kind"] == "eagle"
+    cfg.tree = "tree"
+    assert bench_rounds.run(cfg)["methods"][0]["draft_kind"] == "eagle-tree"
     md = (tmp_path / "rounds" / "results.md").read_text()
     assert "## tiny:" in md and "## again:" in md and "| draft (eagle) |" in md  # no record: chain
 
@@ -66,3 +70,8 @@ def test_settings_are_checked_before_loading(decode_setup, tmp_path):
     cfg.methods, cfg.draft = ["draft"], None
     with pytest.raises(ValueError, match="nothing to run"):
         bench_rounds.run(cfg)
+    cfg.draft = str(draft_package(decode_setup, "eagle")[0])
+    for key, value, says in (("tree", "bush", "bush"), ("compile_draft", "maybe", "compile_draft")):
+        bad = OmegaConf.merge(cfg, {key: value})
+        with pytest.raises(ValueError, match=says):
+            bench_rounds.run(bad)
