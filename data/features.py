@@ -57,8 +57,8 @@ from draftsmith.data.cache_spec import (
     write_json_replacing,
 )
 from draftsmith.data.identity import sha256_file
+from draftsmith.data.malloc import trim_freed_memory
 from draftsmith.data.teacher import logit_softcap, teacher_log_normalizer
-from draftsmith.train.malloc import trim_freed_memory
 
 # auto takes float16 while the probe's largest magnitude is below this fraction of its range
 # (65,504): other batches may reach further

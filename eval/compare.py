@@ -87,10 +87,7 @@ def run(cfg: DictConfig, loaded: Any = None, command: str | None = None) -> dict
     model = loaded.model
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, cfg.limit)
     made = {name: decode.make_proposer(dcfg, loaded) for name, dcfg in configs.items()}
-    decs = [session.decoder(model, proposer, records, k=k, k_max=configs[name].k_max,
-                            adaptive=bool(configs[name].adaptive_k),
-                            fallback=bool(configs[name].fallback),
-                            acceptance=configs[name].acceptance)
+    decs = [decode.decoder_for(configs[name], model, proposer, k, records)
             for name, (proposer, k, _) in made.items()]
     results = session.paired_many(decs, model, records, session.Sampling.from_config(first),
                                   session.eos_ids(model), float(cfg.noise_tolerance))

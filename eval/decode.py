@@ -135,9 +135,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     if batch_size > 1:
         dec, res = _decode_batches(cfg, model, proposer, k, records, sampling, eos, tolerance)
     else:
-        dec = session.decoder(model, proposer, records, k=k, k_max=cfg.k_max,
-                              adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback),
-                              acceptance=cfg.acceptance)
+        dec = decoder_for(cfg, model, proposer, k, records)
         # plain with baseline=true: plain against plain through the same paired path (~1.0x:
         # a check of the measurement itself); plain without a baseline is 1.0x by definition
         res = session.paired(dec, model, records, sampling, eos, baseline=bool(cfg.baseline),
@@ -152,6 +150,15 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def decoder_for(cfg: Mapping[str, Any], model: Any, proposer: Proposer, k: int,
+                records: list[dict]) -> Any:
+    """The batch-1 speculative decoder of ``proposer`` as ``cfg`` sets it (K controller, fallback,
+    acceptance rule), warmed up on ``records`` (:func:`eval.session.decoder`)."""
+    return session.decoder(model, proposer, records, k=k, k_max=cfg.k_max,
+                           adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback),
+                           acceptance=cfg.acceptance)
 
 
 def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k: int,

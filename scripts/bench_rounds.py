@@ -172,8 +172,7 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     records, extra = records[:int(cfg.limit)], records[-1]
     dcfg = decode_config(cfg, method)
     proposer, k, k_source = decode.make_proposer(dcfg, loaded)
-    dec = session.decoder(loaded.model, proposer, records, k=k, k_max=dcfg.k_max,
-                          adaptive=bool(dcfg.adaptive_k), fallback=bool(dcfg.fallback))
+    dec = decode.decoder_for(dcfg, loaded.model, proposer, k, records)
     sampling = session.Sampling.from_config(dcfg)
     eos = session.eos_ids(loaded.model)
     dec.round_log, plain.round_log = [], []

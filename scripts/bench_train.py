@@ -19,7 +19,7 @@ Writes ``<out_dir>/results.json`` and ``results.md`` (hardware, versions, date, 
 """
 from __future__ import annotations
 
-from draftsmith.train.malloc import MALLOC_SWITCH, TUNED_MALLOC, restart_as_command
+from draftsmith.data.malloc import MALLOC_SWITCH, TUNED_MALLOC, restart_as_command
 
 restart_as_command(__name__, "draftsmith-bench-train")  # the tuned allocator, before torch loads
 

@@ -145,6 +145,46 @@ def test_no_import_cycles():
         " -> ".join(c) for c in cycles)
 
 
+FLOORS = {"data": 0, "heads": 1, "train": 2, "eval": 2}  # train and eval side by side
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Imports from a floor's own level or above (``draftsmith.<floor>...`` names): a floor
+    imports only from the floors below it and itself."""
+    def floor(name: str) -> str:
+        return name.split(".")[1]
+
+    up = {m: sorted(d for d in deps if floor(d) != floor(m)
+                    and FLOORS[floor(d)] >= FLOORS[floor(m)])
+          for m, deps in graph.items()}
+    return {m: deps for m, deps in up.items() if deps}
+
+
+def test_the_floor_check_catches_an_import_from_above(tmp_path):
+    """The twin: a data module reaching up into train/ (the shape feature caching once had, for
+    the allocator's valve) and a train module importing eval/ are found; downward imports are
+    not."""
+    for rel, text in {"data/a.py": "from draftsmith.train.b import f\n",
+                      "heads/h.py": "from draftsmith.data import a\n",
+                      "train/b.py": "from draftsmith.heads.h import g\nimport draftsmith.eval.e\n",
+                      "eval/e.py": "from draftsmith.heads import h\n"}.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = module_imports(tmp_path, LIBRARY)
+    assert upward_imports(graph) == {"draftsmith.data.a": ["draftsmith.train.b"],
+                                     "draftsmith.train.b": ["draftsmith.eval.e"]}
+    (tmp_path / "data/a.py").write_text("")
+    (tmp_path / "train/b.py").write_text("from draftsmith.heads.h import g\n")
+    assert not upward_imports(module_imports(tmp_path, LIBRARY))
+
+
+def test_floors_import_only_downwards():
+    """``data`` <- ``heads`` <- ``train``, ``eval`` (ARCHITECTURE.md): lazy and ``TYPE_CHECKING``
+    imports included."""
+    up = upward_imports(module_imports(REPO, LIBRARY))
+    assert not up, f"imports from a floor above or beside (move the piece down): {up}"
+
+
 def test_the_decoding_loop_imports_nothing_from_the_evaluation_tools():
     """``eval/decoding/`` (the loop) is the floor below the rest of ``eval/`` (the tools that load
     drafts, run sessions, measure and report): it imports from itself, ``data`` and ``heads``."""

@@ -13,7 +13,7 @@ micro-batch with its teacher paths in ``train/objective.py``, the losses and met
 """
 from __future__ import annotations
 
-from draftsmith.train.malloc import restart_as_command, trim_freed_memory
+from draftsmith.data.malloc import restart_as_command, trim_freed_memory
 
 restart_as_command(__name__, "draftsmith-distill")  # the tuned allocator, before torch loads
 

@@ -446,7 +446,7 @@ def test_caching_hands_freed_heap_pages_back_after_every_batch(tmp_path, tiny_ta
                                                               monkeypatch):
     """Each batch's (n, V) log-normaliser temporaries grow with the sorted lengths; under the
     tuned allocator they fragmented the heap until the kernel killed a Qwen 1.5B cache at 24 GB.
-    The valve (train/malloc.py) is asked after every batch, so memory over its limit goes back."""
+    The valve (data/malloc.py) is asked after every batch, so memory over its limit goes back."""
     from draftsmith.data import features
 
     calls = []

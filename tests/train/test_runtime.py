@@ -1,4 +1,4 @@
-"""Process plumbing of the recipe (train/malloc.py, train/runtime.py): allocator re-exec,
+"""Process plumbing of the recipe (data/malloc.py, train/runtime.py): allocator re-exec,
 threads, the launch check, the epoch loader, the schedule and the step log, each without running
 a training job."""
 from __future__ import annotations
@@ -13,15 +13,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.train import malloc, runtime
-from draftsmith.train.config import ConfigError
-from draftsmith.train.malloc import (
+from draftsmith.data import malloc
+from draftsmith.data.malloc import (
     MALLOC_SWITCH,
     SHAPE_CACHES,
     TUNED_MALLOC,
     reexec_with_tuned_malloc,
     restart_as_command,
 )
+from draftsmith.train import runtime
+from draftsmith.train.config import ConfigError
 from draftsmith.train.runtime import (
     StepLog,
     cosine_with_warmup,
@@ -131,7 +132,7 @@ def test_malloc_imports_nothing_heavy():
     library only (a fresh interpreter, so modules this test process loaded do not count)."""
     import subprocess
 
-    code = ("import sys; import draftsmith.train.malloc; "
+    code = ("import sys; import draftsmith.data.malloc; "
             "print(sorted(m for m in ('torch', 'hydra', 'omegaconf', 'numpy', 'transformers') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

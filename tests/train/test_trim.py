@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from draftsmith.train.malloc import MALLOC_SWITCH, SHAPE_CACHES, TUNED_MALLOC, trim_freed_memory
+from draftsmith.data.malloc import MALLOC_SWITCH, SHAPE_CACHES, TUNED_MALLOC, trim_freed_memory
 
 # Under the tuned allocator: allocate 40 blocks of 8 MB, free every other one with a live block
 # between (fragments the heap: nothing at its top to release), then call the valve.
 SCRIPT = """
 import os
 import torch
-from draftsmith.train.malloc import trim_freed_memory
+from draftsmith.data.malloc import trim_freed_memory
 
 def resident():
     with open("/proc/self/statm") as f:
@@ -65,7 +65,7 @@ def test_off_without_the_tuned_allocator(monkeypatch):
 # the last 300.
 SHAPES = """
 import os
-from draftsmith.train.malloc import restart_as_command
+from draftsmith.data.malloc import restart_as_command
 
 restart_as_command("__main__", "draftsmith-distill")
 import torch

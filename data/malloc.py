@@ -1,6 +1,7 @@
 """The tuned allocator of the training commands, applied by restarting the process, its safety
 valve (freed pages handed back when memory is scarce), and the bounds on the per-shape caches of
-a CPU's bf16 matmuls.
+a CPU's bf16 matmuls. On the lowest floor (``data``) because feature caching (data/features.py)
+calls the valve too, like training.
 
 Standard library only (the valve imports ctypes when it trims): a command calls
 :func:`restart_as_command` at the top of its module, before torch and the rest load, so the
@@ -100,6 +101,6 @@ def trim_freed_memory(limit_fraction: float = RESIDENT_LIMIT) -> bool:
     _trims["count"] += 1
     if _trims["count"] == 1:
         log.info("resident memory %.1f GB is over %.0f%% of this machine's: freed heap pages are "
-                 "handed back after each batch from now on (train/malloc.py "
+                 "handed back after each batch from now on (data/malloc.py "
                  "trim_freed_memory)", resident / 1e9, 100 * limit_fraction)
     return True
