@@ -103,6 +103,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("compile_draft", False) not in (True, False):
         raise ValueError(f"compile_draft={cfg.get('compile_draft')!r}: allowed false or true "
                          "(torch.compile the EAGLE head's step)")
+    if cfg.get("fused_draft", True) not in (True, False):
+        raise ValueError(f"fused_draft={cfg.get('fused_draft')!r}: allowed true (the EAGLE "
+                         "head's layer as plain tensor ops) or false (its transformers modules)")
     if cfg.get("suffix", True) not in (True, False):
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
@@ -209,6 +212,8 @@ def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
                 raise ValueError(f"compile_draft=true applies to EAGLE heads, not to a "
                                  f"{pkg.family.name} draft; use compile_draft=false")
             proposer.compile()
+        if not cfg.get("fused_draft", True) and getattr(proposer, "step", None) is not None:
+            proposer.step = None  # the head's transformers modules
         if cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1 and plan.k > 0:
             proposer = SuffixProposer(proposer, vocab)  # batches draft the package alone
         return proposer, plan.k, plan.k_source

@@ -77,6 +77,7 @@ def decode_config(cfg: DictConfig, method: str) -> DictConfig:
         "adaptive_k": bool(cfg.adaptive_k), "fallback": bool(cfg.adaptive_k),
         "dtype": cfg.dtype, "device": cfg.device, "seed": int(cfg.seed), "out": None,
         "compile_draft": cfg.compile_draft if trained else False,
+        "fused_draft": cfg.fused_draft if trained else True,
         **({"tree": str(cfg.tree)} if trained else {})})
 
 
@@ -180,6 +181,8 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     res = session.paired(dec, loaded.model, records, sampling, eos, plain=plain)
     row = {"method": method, "date": environment(cfg.device)["date"], "clock": str(cfg.clock),
            "draft_kind": proposer.name, "compile_draft": bool(dcfg.compile_draft),
+           # whether the EAGLE head ran as the fused step (eval/decoding/eagle_step.py)
+           "fused_draft": getattr(getattr(proposer, "inner", proposer), "step", None) is not None,
            "k": k, "k_source": k_source,
            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
            **summarize(dec.round_log, plain.round_log),
@@ -244,7 +247,8 @@ def markdown(results: dict[str, dict]) -> str:
                   + (" noisy" if r.get("noisy") else ""))
             lines.append(
                 f"| {r['method']} ({r['draft_kind']}"
-                f"{', torch.compile' if r.get('compile_draft') else ''}) | "
+                f"{', torch.compile' if r.get('compile_draft') else ''}"
+                f"{', fused step' if r.get('fused_draft') else ''}) | "
                 f"{r['k']} ({r['k_source']}) | "
                 f"{_f(r.get('nodes_per_round'))} | {_f(r.get('draft_ms'))} | "
                 f"{_f(r.get('verify_ms'))} | {_f(r.get('bookkeeping_ms'))} | "

@@ -42,7 +42,13 @@ from draftsmith.eval.decoding.target_model import (
     target_logits,
     tree_ancestor_mask,
 )
-from draftsmith.eval.decoding.verify import Verified, verify_chain_batch, verify_greedy, verify_tree
+from draftsmith.eval.decoding.verify import (
+    Verified,
+    top1,
+    verify_chain_batch,
+    verify_greedy,
+    verify_tree,
+)
 from draftsmith.heads.draft_config import text_config
 
 
@@ -299,7 +305,7 @@ class BatchDecoder:
         """Each row's tree (its first ``sizes[b]`` nodes) verified by the batch-one rules
         (:func:`~eval.decoding.verify.verify_greedy`, :func:`~eval.decoding.verify.verify_tree`) on
         its rows of ``logits (B, N + 1, V)``."""
-        best = logits.argmax(-1).cpu() if sampling.greedy else None
+        best = top1(logits).cpu() if sampling.greedy else None
         out = []
         for i, (pr, m) in enumerate(zip(props, sizes)):
             tokens, parents = pr.tokens[:m], pr.parents[:m]
@@ -340,7 +346,7 @@ class BatchDecoder:
     def _sample(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
         """One token per row of ``logits (B, V)``."""
         if sampling.greedy:
-            return logits.argmax(-1)
+            return top1(logits)
         return torch.multinomial(sampling.warp(logits), 1, generator=generator).squeeze(-1)
 
     def _verify(self, logits: Tensor, q: Tensor | None, drafts: Tensor, ks: Tensor,

@@ -27,6 +27,7 @@ from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.stats import DecodeStats, RoundTime
 from draftsmith.eval.decoding.target_model import Target, TargetOutput
 from draftsmith.eval.decoding.verify import (
+    top1,
     verify_chain,
     verify_greedy,
     verify_tree,
@@ -275,7 +276,7 @@ class SpeculativeDecoder:
         p = None if greedy else sampling.warp(out.logits)  # (N+1, V)
         if greedy:
             parents = None if proposal.is_chain else proposal.parents
-            path, nxt = verify_greedy(out.logits.argmax(-1), proposal.tokens, parents)
+            path, nxt = verify_greedy(top1(out.logits), proposal.tokens, parents)
         elif proposal.is_chain:
             q = proposal.q
             if q is None:  # deterministic drafts are point masses

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.eval.decoding.verify import warp
+from draftsmith.eval.decoding.verify import top1, warp
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Sampling:
         """One token from raw ``logits (V,)``: the argmax when greedy, else a sample from the
         warped distribution (``sample_with_q`` when a draft needs that distribution too)."""
         if self.greedy:
-            return int(logits.argmax())
+            return int(top1(logits))
         return self.sample_with_q(logits, generator)[0]
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None
@@ -41,7 +41,7 @@ class Sampling:
         the argmax when greedy (``q`` None: point masses), else one draw per row from the warped
         distribution, returned as ``q (n, V)``."""
         if self.greedy:
-            return logits.argmax(-1), None
+            return top1(logits), None
         q = self.warp(logits)
         on = q if generator is None or q.device == generator.device else q.to(generator.device)
         return torch.multinomial(on, 1, generator=generator).squeeze(-1).to(q.device), q

@@ -23,6 +23,7 @@ from torch import nn
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.target_model import TargetOutput
+from draftsmith.eval.decoding.verify import top1
 
 
 class DFlashProposer(Proposer):
@@ -106,7 +107,7 @@ class DFlashProposer(Proposer):
         # torch's slow CPU bf16 path, as in the EAGLE proposer)
         logits = self.drafter.compute_logits(hidden[0, 1:n + 1].contiguous()).float()  # (n, V)
         if ctx.sampling.greedy:
-            return Proposal.chain(logits.argmax(-1).tolist())
+            return Proposal.chain(top1(logits).tolist())
         drafts, qs = [], []
         for row in logits:
             x, q = ctx.sampling.sample_with_q(row, ctx.generator)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftsmith.eval.decoding.eagle_step import EagleStep
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import DraftVocabMixin, Proposer, head_rows
 from draftsmith.eval.decoding.target_model import TargetOutput, new_cache
@@ -43,13 +44,16 @@ class EagleProposer(DraftVocabMixin, Proposer):
             head's own vocabulary.
         tree_draw: ``"sample"`` or ``"topk"``: how a sampled decode's tree picks children
             (:data:`~eval.decoding.tree.TREE_DRAWS`).
+        fused: run the head's layer as plain tensor ops (:class:`~eval.decoding.eagle_step.
+            EagleStep`, the same function from the same weights) rather than through its
+            transformers modules; heads it cannot read (not an ``EagleHead``) use the modules.
     """
 
     name = "eagle"
 
     def __init__(self, head: nn.Module, vocab_size: int, tree: bool = False, topk: int = 8,
                  total_tokens: int = 60, vocab_ids: torch.Tensor | None = None,
-                 tree_draw: str = "sample") -> None:
+                 tree_draw: str = "sample", fused: bool = True) -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
         self.head = head
@@ -76,6 +80,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
                 self._sub_head = head_rows(head.lm_head, ids, vocab_size)
                 self.d2t = ids
         self.name = "eagle-tree" if tree else "eagle"
+        self.step = EagleStep.of(head) if fused else None
         self.cache = None
         self.n_true = 0
         self._pending_feats: list[torch.Tensor] = []
@@ -84,7 +89,9 @@ class EagleProposer(DraftVocabMixin, Proposer):
     def compile(self) -> None:
         """``torch.compile`` the head's forward and its LM-head call (dynamic shapes: tree depths
         and the cache grow between calls). On a 2-core CPU it did not pay (bench/rounds, rows
-        ``torch.compile``), so decode.py's ``compile_draft`` is off by default."""
+        ``torch.compile``), so decode.py's ``compile_draft`` is off by default. The compiled
+        path is the modules' (the fused step is not compiled)."""
+        self.step = None
         self.head.forward = torch.compile(self.head.forward, dynamic=True)
         self._logits = torch.compile(self._logits, dynamic=True)
 
@@ -96,6 +103,16 @@ class EagleProposer(DraftVocabMixin, Proposer):
             raise ValueError("this EAGLE head fuses target layers: build the Target with "
                              f"layer_ids={list(self.layer_ids)}")
         return torch.cat(list(out.layers), dim=-1)
+
+    def _head(self, feats: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+              allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's output ``(1, T, H)`` after pairs ``feats (1, T, .)``, ``ids (1, T)`` at
+        ``pos (1, T)``, extending the cache; ``allowed (T, cached + T)`` bool, None: causal."""
+        if self.step is not None:
+            return self.step(feats, ids, self.cache, pos, allowed)
+        mask = None if allowed is None else allowed.view(1, 1, *allowed.shape)
+        return self.head(feats, ids, past_key_values=self.cache, position_ids=pos,
+                         attention_mask=mask)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._sub_head is not None:
@@ -126,7 +143,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
         if feats.shape[1] != m:
             raise RuntimeError(f"EAGLE state out of sync: {feats.shape[1]} features, {m} tokens")
         pos = torch.arange(self.n_true, self.n_true + m, device=self.device).unsqueeze(0)
-        out = self.head(feats, ids, past_key_values=self.cache, position_ids=pos)  # (1, m, H)
+        out = self._head(feats, ids, pos)  # (1, m, H)
         self.n_true += m
         self._pending_feats, self._pending_tokens = [], []
         # a fresh (1, 1, H) view: the slice out[:, -1:] keeps the batch stride m * H, and torch's
@@ -154,7 +171,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
                 qs.append(self._scatter_q(q_d)[0])
             if i < k - 1:
                 pos = torch.tensor([[self.n_true + i]], device=self.device)
-                last = self.head(last, x.view(1, 1), past_key_values=self.cache, position_ids=pos)
+                last = self._head(last, x.view(1, 1), pos)
         return Proposal.chain(torch.cat(drafts).tolist(), torch.stack(qs) if qs else None)
 
     def _propose_tree(self, root_hidden: torch.Tensor, depth: int,
@@ -165,18 +182,20 @@ class EagleProposer(DraftVocabMixin, Proposer):
         tree = DynamicTree(self.topk, self._to_target, ctx.sampling, ctx.generator,
                            self._scatter_q, self.tree_draw)
         root = root_hidden[0, 0]  # (H,)
-        hidden_of: dict[int, torch.Tensor] = {}  # node -> head output after feeding it, (H,)
+        outs: list[torch.Tensor] = []  # the head's outputs of the fed nodes, in feeding order
 
         def forward(nodes: list[int], mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            feats = torch.stack([root if tree.parents[j] < 0 else hidden_of[tree.parents[j]]
-                                 for j in nodes]).unsqueeze(0)  # (1, n, H)
+            parents = [tree.parents[j] for j in nodes]
+            if all(p < 0 for p in parents):  # children of the root: its output for each
+                feats = root.expand(len(nodes), -1)
+            else:  # (a depth's nodes all have fed parents)
+                rows = torch.tensor([tree.fed_row[p] for p in parents], device=self.device)
+                feats = torch.cat(outs).index_select(0, rows)
             ids = torch.tensor([[tree.tokens[j] for j in nodes]], dtype=torch.long,
                                device=self.device)
-            out = self.head(feats, ids, past_key_values=self.cache,  # (1, n, H)
-                            position_ids=pos.view(1, -1).to(self.device),
-                            attention_mask=mask.view(1, 1, *mask.shape).to(self.device))
-            for row, j in enumerate(nodes):
-                hidden_of[j] = out[0, row]
+            out = self._head(feats.unsqueeze(0), ids, pos.view(1, -1).to(self.device),
+                             mask.to(self.device))  # (1, n, H)
+            outs.append(out[0])
             return self._logits(out)[0]  # (n, Vd), one LM-head call for all rows
 
         tree.grow(self._logits(root_hidden)[0, 0], depth, self.n_true, forward)

@@ -340,6 +340,31 @@ def test_compile_draft_compiles_the_eagle_step_and_stays_lossless(decode_setup, 
         _decode(decode_setup, pkg, "limit=1", "compile_draft=yes")
 
 
+def test_fused_draft_is_the_default_and_can_be_turned_off(decode_setup, monkeypatch):
+    """The EAGLE head drafts through its fused step by default (eval/decoding/eagle_step.py),
+    through its transformers modules with fused_draft=false: the same outputs either way."""
+    from draftsmith.eval.decoding.eagle_step import EagleStep
+
+    calls = []
+    step_call = EagleStep.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return step_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(EagleStep, "__call__", counted)
+    pkg, _ = draft_package(decode_setup, "eagle")
+    fused = _decode(decode_setup, pkg, "limit=2", "suffix=false")
+    assert calls and fused["summary"]["matches_baseline"] == 1.0
+    calls.clear()
+    modules = _decode(decode_setup, pkg, "limit=2", "suffix=false", "fused_draft=false")
+    assert calls == []
+    assert [s["output_ids"] for s in modules["samples"]] == [
+        s["output_ids"] for s in fused["samples"]]
+    with pytest.raises(ValueError, match="fused_draft='no': allowed true"):
+        _decode(decode_setup, pkg, "limit=1", "fused_draft=no")
+
+
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, tmp_path, kind):
     import shutil

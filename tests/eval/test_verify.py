@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from draftsmith.eval.decoding.verify import (
+    top1,
     verify_chain,
     verify_chain_batch,
     verify_greedy,
@@ -233,3 +234,17 @@ def test_chain_batch_lengths_cut_each_chain_and_take_its_bonus_row():
     q = p[:, :k].clone()
     n, nxt = verify_chain_batch(p, q, draft, torch.Generator().manual_seed(1), lengths=lengths)
     assert n.tolist() == [0, 2, 4] and nxt.tolist() == bonus.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_top1_is_argmax_ties_included(dtype):
+    # top1 takes max's index for speed; it must pick argmax's token, the first maximum, also
+    # where a row's maximum repeats (frequent in 16-bit logits: these rows are built with ties)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 997, generator=g) * 2).round().to(dtype)
+    tied = (logits == logits.max(-1, keepdim=True).values).sum(-1) > 1
+    assert int(tied.sum()) > 32  # the case that tells a first from a last maximum
+    assert torch.equal(top1(logits), logits.argmax(-1))
+    assert int(top1(logits[5])) == int(logits[5].argmax())
+    last = logits.shape[-1] - 1 - logits.flip(-1).argmax(-1)  # the last maximum differs
+    assert not torch.equal(last, logits.argmax(-1))

@@ -48,7 +48,8 @@ def test_round_anatomy_on_a_tiny_target(decode_setup, tmp_path):
     cfg.tree = "tree"
     assert bench_rounds.run(cfg)["methods"][0]["draft_kind"] == "eagle-tree"
     md = (tmp_path / "rounds" / "results.md").read_text()
-    assert "## tiny:" in md and "## again:" in md and "| draft (eagle) |" in md  # no record: chain
+    assert "## tiny:" in md and "## again:" in md  # no record: a chain
+    assert "| draft (eagle, fused step) |" in md  # the fused draft step by default
 
 
 def test_summary_takes_speculative_rounds_against_the_plain_step():
