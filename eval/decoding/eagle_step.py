@@ -90,14 +90,18 @@ class EagleStep:
     @classmethod
     def of(cls, head: nn.Module) -> EagleStep | None:
         """The fused step of ``head``, or None where it is not an ``EagleHead`` with the layer
-        and norms it builds (then the modules run)."""
+        and norms it builds (then the modules run): RMS norms everywhere, except the EAGLE-1
+        layout's absent input and output norms."""
         if not isinstance(head, EagleHead) or type(head.layer) not in (Eagle3Layer,
                                                                         LlamaDecoderLayer):
             return None
         layer = head.layer
-        norms = [layer.post_attention_layernorm, getattr(layer, "hidden_norm", None),
-                 layer.input_layernorm, head.norm]
-        if not all(n is None or type(n) in (LlamaRMSNorm, nn.Identity) for n in norms):
+        norms = [layer.post_attention_layernorm]
+        if head.eagle3:
+            norms += [layer.hidden_norm, layer.input_layernorm]
+        optional = [] if head.eagle3 else [layer.input_layernorm, head.norm]
+        if not (all(type(n) is LlamaRMSNorm for n in norms)
+                and all(type(n) in (LlamaRMSNorm, nn.Identity) for n in optional)):
             return None
         return cls(head)
 

@@ -1,6 +1,7 @@
 """The EAGLE head's fused decoding step (eval/decoding/eagle_step.py) computes what the head's
-transformers modules compute: every layout, grouped-query attention, tree masks, biases, int8 and
-int4 weights; and the proposer drafts the same trees with it."""
+transformers modules compute: every layout, any query / key-value grouping and head width, tree
+masks, biases, bf16, and int8, int4 and dynamic int8 weights; and the proposer drafts the same
+trees with it."""
 from __future__ import annotations
 
 import copy
@@ -23,11 +24,18 @@ LAYOUTS = {"eagle1": ("eagle1", None), "eagle1-fused": ("eagle1", [1, 2]),
            "normed": ("normed", None), "eagle3": ("eagle3", [0, 1, 2])}
 
 
-def make_head(layout: str, bias: bool = False, scheme: str | None = None) -> nn.Module:
+def make_head(layout: str, bias: bool = False, scheme: str | None = None,
+              **target: int) -> nn.Module:
+    """A head on a tiny target (``target``: its shape); ``bias``: random biases on q, v and the
+    MLP's gate (none on k: a fused bias fills it with zeros), which the engines' layout lacks."""
     kind, fuse = LAYOUTS[layout]
-    model = tiny_llama(seed=0, vocab=VOCAB, attention_bias=bias)
+    model = tiny_llama(seed=0, vocab=VOCAB, **target)
     torch.manual_seed(1)
     head = build_eagle(EagleConfig(layout=kind, fuse_layers=fuse), model).eval()
+    if bias:
+        layer = head.layer
+        for lin in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.gate_proj):
+            lin.bias = nn.Parameter(torch.randn(lin.out_features))
     if scheme is not None:
         quantize(head, scheme, quantizable(head))
     return head
@@ -71,12 +79,32 @@ def test_the_step_computes_what_the_modules_compute(layout, bias):
     head = make_head(layout, bias)
     step = EagleStep.of(head)
     assert step is not None and step.qkv.kind == "dense" and step.group == 2
+    assert (step.qkv.bias is not None) == bias
     ref, got = both_paths(head, step)
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scheme,kind", [("int8", "int8"), ("int4", "separate")])
+@pytest.mark.parametrize("shape,group", [({"kv": 1}, 4), ({"kv": 4}, 1),
+                                         ({"head_dim": 16}, 2)])
+def test_any_grouping_and_head_width(shape, group):
+    head = make_head("eagle3", **shape)
+    step = EagleStep.of(head)
+    assert step.group == group and step.head_dim == head.layer.self_attn.head_dim
+    ref, got = both_paths(head, step)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_heads_match_too():
+    head = make_head("eagle3", bias=True).to(torch.bfloat16)
+    ref, got = both_paths(head, EagleStep.of(head))
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("scheme,kind", [("int8", "int8"), ("int4", "separate"),
+                                         ("int8_dynamic", "separate")])
 def test_quantized_heads_run_their_own_kernels(scheme, kind):
     head = make_head("eagle3", bias=True, scheme=scheme)
     step = EagleStep.of(head)
@@ -103,6 +131,9 @@ def test_heads_it_cannot_read_use_the_modules():
     assert EagleStep.of(nn.Linear(4, 4)) is None
     head = make_head("eagle3")
     head.layer.post_attention_layernorm = nn.LayerNorm(head.hidden_size)
+    assert EagleStep.of(head) is None
+    head = make_head("eagle3")
+    head.layer.hidden_norm = nn.Identity()  # EAGLE-3 norms its input: not a layout it knows
     assert EagleStep.of(head) is None
 
 
