@@ -71,15 +71,9 @@ class FusedLinear:
         return list(y.split(self.sizes, dim=-1))
 
 
-def rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
-    """transformers' Llama RMS norm, op for op (float32 statistics, scaled in the input dtype)."""
-    y = x.float()
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * y.to(x.dtype)
-
-
 class EagleStep:
-    """``EagleHead.forward`` for one sequence during decoding (batch 1, no gradients).
+    """``EagleHead.forward`` for one sequence during decoding (batch 1; called under the
+    proposer's inference mode). The norms are the head's own modules.
 
     Args:
         head: an :class:`~draftsmith.heads.eagle.EagleHead` (any layout), already in its
@@ -125,7 +119,6 @@ class EagleStep:
         self.hidden_norm = getattr(layer, "hidden_norm", None)
         self.out_norm = None if isinstance(head.norm, nn.Identity) else head.norm
 
-    @torch.inference_mode()
     def __call__(self, features: Tensor, input_ids: Tensor, cache: object, position_ids: Tensor,
                  allowed: Tensor | None = None) -> Tensor:
         """The head's output ``(1, T, H)`` after ``T`` new pairs (as ``EagleHead.forward``).
@@ -148,15 +141,14 @@ class EagleStep:
             allowed = causal_allowed(t, past, x.device)[0, 0]
         cos, sin = head._rope(x, position_ids, past + t)  # (1, T, d) each
         if self.eagle3:
-            attn_in = torch.cat([rms_norm(emb, head.layer.input_layernorm),
-                                 rms_norm(x, self.hidden_norm)], dim=-1)
+            attn_in = torch.cat([head.layer.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
         else:
-            attn_in = x if self.input_norm is None else rms_norm(x, self.input_norm)
+            attn_in = x if self.input_norm is None else self.input_norm(x)
         x = x + self._attention(attn_in, cache, cos[0], sin[0], allowed)
-        gate, up = self.gate_up(rms_norm(x, self.post_norm))
+        gate, up = self.gate_up(self.post_norm(x))
         x = x + self.down(self.act(gate) * up)
         if not self.eagle3 and self.out_norm is not None:
-            x = rms_norm(x, self.out_norm)
+            x = self.out_norm(x)
         return x.unsqueeze(0)
 
     def _fuse(self, feats: Tensor, emb: Tensor) -> Tensor:
