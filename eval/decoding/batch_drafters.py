@@ -131,7 +131,9 @@ class BatchDraftLM(BatchDrafter):
 class BatchEagle(BatchDrafter):
     """The head of an :class:`~eval.decoding.proposers_eagle.EagleProposer`, batched: its cache
     holds the (true feature, next token) pairs of each row's committed tokens; pairs from the last
-    verification wait in ``pending`` until the next proposal feeds them."""
+    verification wait in ``pending`` until the next proposal feeds them. The head runs as the
+    proposer runs it: its fused step (``proposer.step``, :class:`~eval.decoding.eagle_step.
+    EagleStep`) where it has one, else its modules."""
 
     def __init__(self, proposer: EagleProposer) -> None:
         super().__init__(proposer)
@@ -144,10 +146,18 @@ class BatchEagle(BatchDrafter):
         self.slots = SlotCache(self.head.config, len(tokens), self.device)
         self.pending = [(features[b, :len(t) - 1], list(t[1:])) for b, t in enumerate(tokens)]
 
-    def _feed(self, feats: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
-        mask, pos = self.slots.open(valid)
+    def _run(self, feats: Tensor, ids: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+        """The head's output ``(B, T, H)`` after the block ``feats (B, T, .)``, ``ids (B, T)``
+        with the slot cache's mask ``(B, 1, T, width)`` (bool) and positions ``pos (B, T)``."""
+        step = self.proposer.step  # read per call: compile() turns it off
+        if step is not None:
+            return step(feats, ids, self.slots.cache, pos, mask[:, 0])
         return self.head(feats, ids, past_key_values=self.slots.cache, position_ids=pos,
                          attention_mask=mask)
+
+    def _feed(self, feats: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+        mask, pos = self.slots.open(valid)
+        return self._run(feats, ids, mask, pos)
 
     def _first(self) -> Tensor:
         ids, valid = pad_rows([tok for _, tok in self.pending], self.device)
@@ -223,8 +233,7 @@ class BatchEagle(BatchDrafter):
                     slot_of[b][j] = fed + i
             mask, pos = self.slots.open_tree(valid.to(self.device), tail.to(self.device),
                                              offset.to(self.device), self.draft_start)
-            out = self.head(feats, ids.to(self.device), past_key_values=self.slots.cache,
-                            position_ids=pos, attention_mask=mask)  # (B, n, H)
+            out = self._run(feats, ids.to(self.device), mask, pos)  # (B, n, H)
             step_logits = self.proposer._logits(out)  # (B, n, Vd)
             fed += n
             frontier = []

@@ -15,8 +15,10 @@ weights with fewer, larger ops:
 * attention reads the cache's keys and values without repeating them: each key/value head's
   query heads are folded into one block of rows (the mask repeated to match), and a bool mask
   goes straight to ``scaled_dot_product_attention``;
-* the cache is the proposer's own (:class:`~eval.decoding.kv_cache.SlabCache`), so crops and
-  lengths work as before.
+* the cache is the caller's, extended by ``update(k, v, 0)``: the proposer's own
+  (:class:`~eval.decoding.kv_cache.SlabCache`), so crops and lengths work as before, or a
+  batch's slot cache (:class:`~eval.decoding.slots.SlotCache`, a ``DynamicCache`` whose rows
+  are the batch's rows: ``BatchEagle`` passes its per-row positions and masks).
 
 Outputs equal the module path's up to rounding (``tests/eval/test_eagle_step.py``); the draft
 distribution is only ever a proposal, so decoding stays lossless either way.
@@ -72,8 +74,9 @@ class FusedLinear:
 
 
 class EagleStep:
-    """``EagleHead.forward`` for one sequence during decoding (batch 1; called under the
-    proposer's inference mode). The norms are the head's own modules.
+    """``EagleHead.forward`` during decoding (called under the caller's inference mode): one
+    sequence (the proposer's), or the rows of a batch (``BatchEagle``) with their own positions
+    and attention masks. The norms are the head's own modules.
 
     Args:
         head: an :class:`~draftsmith.heads.eagle.EagleHead` (any layout), already in its
@@ -121,35 +124,39 @@ class EagleStep:
 
     def __call__(self, features: Tensor, input_ids: Tensor, cache: object, position_ids: Tensor,
                  allowed: Tensor | None = None) -> Tensor:
-        """The head's output ``(1, T, H)`` after ``T`` new pairs (as ``EagleHead.forward``).
+        """The head's output ``(B, T, H)`` after ``T`` new pairs per row (as ``EagleHead.forward``).
 
         Args:
-            features: ``(1, T, kH)`` target features or ``(1, T, H)`` the head's own outputs.
-            input_ids: ``(1, T)`` the tokens paired with them.
-            cache: the head's cache (``update(k, v, 0)``, ``get_seq_length()``), extended here.
-            position_ids: ``(1, T)`` positions.
-            allowed: ``(T, past + T)`` bool attention mask (True = attend); None: causal.
+            features: ``(B, T, kH)`` target features or ``(B, T, H)`` the head's own outputs.
+            input_ids: ``(B, T)`` the tokens paired with them.
+            cache: the head's cache (``update(k, v, 0)`` with ``(B, KV, T, d)`` keys and values,
+                returning all of them; ``get_seq_length()``), extended here.
+            position_ids: ``(B, T)`` positions.
+            allowed: bool attention mask (True = attend): ``(T, past + T)`` for every row, or
+                ``(B, T, past + T)`` per row (a batch's padding and slots); None: causal.
         """
         head = self.head
         dtype = head.embed_tokens.weight.dtype
-        t = input_ids.shape[1]
-        emb = head.embed_tokens(input_ids[0]).to(dtype)  # (T, H)
-        feats = features[0].to(dtype)
+        b, t = input_ids.shape
+        # rows and positions flattened to (B * T, .) for every op but attention
+        emb = head.embed_tokens(input_ids.reshape(-1)).to(dtype)  # (BT, H)
+        feats = features.reshape(b * t, -1).to(dtype)
         x = self._fuse(feats, emb)
         past = cache.get_seq_length()
         if allowed is None and t > 1:
             allowed = causal_allowed(t, past, x.device)[0, 0]
-        cos, sin = head._rope(x, position_ids, past + t)  # (1, T, d) each
+        cos, sin = head._rope(x, position_ids, past + t)  # (B, T, d) each
         if self.eagle3:
             attn_in = torch.cat([head.layer.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
         else:
             attn_in = x if self.input_norm is None else self.input_norm(x)
-        x = x + self._attention(attn_in, cache, cos[0], sin[0], allowed)
+        x = x + self._attention(attn_in, b, cache, cos.reshape(b * t, -1),
+                                sin.reshape(b * t, -1), allowed)
         gate, up = self.gate_up(self.post_norm(x))
         x = x + self.down(self.act(gate) * up)
         if not self.eagle3 and self.out_norm is not None:
             x = self.out_norm(x)
-        return x.unsqueeze(0)
+        return x.view(b, t, -1)
 
     def _fuse(self, feats: Tensor, emb: Tensor) -> Tensor:
         """The layer's input stream from the features (and, outside EAGLE-3, the embedding)."""
@@ -160,19 +167,26 @@ class EagleStep:
             return head.fc(torch.cat([feats, emb], dim=-1))
         return head.self_fc(torch.cat([feats, emb], dim=-1))
 
-    def _attention(self, h: Tensor, cache: object, cos: Tensor, sin: Tensor,
+    def _attention(self, h: Tensor, b: int, cache: object, cos: Tensor, sin: Tensor,
                    allowed: Tensor | None) -> Tensor:
-        t, nh, nkv, d, g = h.shape[0], self.n_heads, self.n_kv, self.head_dim, self.group
+        """Attention of ``h (B * T, .)``, ``b`` rows of ``T``, over the cache and itself."""
+        n, nh, nkv, d, g = h.shape[0], self.n_heads, self.n_kv, self.head_dim, self.group
+        t = n // b
         q, k, v = self.qkv(h)
-        qk = torch.cat([q, k], dim=-1).view(t, nh + nkv, d)
+        qk = torch.cat([q, k], dim=-1).view(n, nh + nkv, d)
         half = d // 2
         rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
         qk = qk * cos[:, None] + rotated * sin[:, None]
-        keys, values = cache.update(qk[:, nh:].transpose(0, 1).unsqueeze(0),
-                                    v.view(t, nkv, d).transpose(0, 1).unsqueeze(0), 0)
+        keys, values = cache.update(qk[:, nh:].view(b, t, nkv, d).transpose(1, 2),
+                                    v.view(b, t, nkv, d).transpose(1, 2), 0)
         # the query heads of each key/value head as one block of g * T rows: no repeated cache
-        q = qk[:, :nh].view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * t, d)
-        mask = None if allowed is None else allowed.repeat(g, 1)
+        q = qk[:, :nh].view(b, t, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
+        if allowed is None:
+            mask = None
+        elif allowed.dim() == 2:  # (T, kv): every row and head alike
+            mask = allowed.repeat(g, 1)
+        else:  # (B, T, kv): per row, alike over heads
+            mask = allowed.repeat(1, g, 1).unsqueeze(1)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-        o = o.view(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)
+        o = o.view(b, nkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(n, nh * d)
         return self.o_proj(o)

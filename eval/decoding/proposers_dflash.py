@@ -6,7 +6,9 @@ has read them (after the prefill, and after each verification for the pending to
 accepted drafts). A step feeds the block ``[pending token, MASK x (B-1)]`` at positions
 ``P .. P+B-1`` (P = the pending token's position) over that cache; the block's own keys and
 values are computed inside the forward and never kept. Slot k's logits give the draft at
-position P+k.
+position P+k. The cache and the block forward are :class:`~eval.decoding.dflash_step.DFlashStep`:
+preallocated buffers written in place (sized for the prompt and ``RESERVE`` more positions,
+doubled when full), no copy of the cache in a round.
 
 Greedy decoding takes each slot's argmax (point masses, no ``q``). Sampling draws each slot from
 its own warped distribution, which is that draft's ``q``: the slots are drawn independently of
@@ -20,10 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.eval.decoding.dflash_step import DFlashStep
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import Proposer
-from draftsmith.eval.decoding.target_model import TargetOutput
+from draftsmith.eval.decoding.target_model import RESERVE, TargetOutput
 from draftsmith.eval.decoding.verify import top1
+from draftsmith.heads.dflash import KVCache
 
 
 class DFlashProposer(Proposer):
@@ -61,8 +65,20 @@ class DFlashProposer(Proposer):
         self.block_size = int(drafter.block_size)
         self.mask_token_id = int(drafter.cfg.mask_token_id)
         self.device = next(drafter.parameters()).device
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.n_ctx = 0  # context positions in the cache: those of the committed tokens
+        # the context cache (preallocated) and the block forward; not named ``step``: decode's
+        # ``fused_draft=false`` clears a proposer's ``step`` (the EAGLE head's modules path)
+        self.drafting = DFlashStep(drafter)
+        self._started = False
+
+    @property
+    def n_ctx(self) -> int:
+        """Context positions in the cache: those of the committed tokens."""
+        return self.drafting.n_ctx
+
+    @property
+    def cache(self) -> KVCache | None:
+        """Every layer's context keys and values (views of the buffers), None before a reset."""
+        return self.drafting.context_kv() if self._started else None
 
     # ----- the context cache -------------------------------------------------------------------
     @torch.inference_mode()
@@ -71,20 +87,13 @@ class DFlashProposer(Proposer):
         if out.layers is None:
             raise ValueError("a dflash draft reads target layers: build the Target with "
                              f"layer_ids={list(self.layer_ids)}")
-        feats = torch.cat(list(out.layers), dim=-1).to(self.device).unsqueeze(0)  # (1, m, nH)
-        m = feats.shape[1]
-        pos = torch.arange(self.n_ctx, self.n_ctx + m, device=self.device).unsqueeze(0)
-        new = self.drafter.context_kv(self.drafter.context(feats), pos)
-        if self.cache is None:
-            self.cache = new
-        else:
-            self.cache = [(torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2))
-                          for (k, v), (k2, v2) in zip(self.cache, new)]
-        self.n_ctx += m
+        self.drafting.append(torch.cat(list(out.layers), dim=-1).to(self.device))  # (m, nH)
 
     # ----- protocol ----------------------------------------------------------------------------
+    @torch.inference_mode()
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
-        self.cache, self.n_ctx = None, 0
+        self.drafting.reset(len(tokens) + RESERVE)
+        self._started = True
         self._append(target_out)  # the prompt's rows: positions 0 .. len(tokens) - 2
 
     def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
@@ -95,17 +104,12 @@ class DFlashProposer(Proposer):
         if k <= 0:
             return Proposal.empty()
         pending = len(ctx.tokens) - 1  # the anchor's position
-        if self.cache is None or pending != self.n_ctx:
+        if not self._started or pending != self.n_ctx:
             raise RuntimeError(f"DFlash state out of sync: the context cache holds {self.n_ctx} "
                                f"positions, the pending token is at {pending}")
         n = min(k, self.block_size - 1)
-        anchor = torch.tensor([[ctx.tokens[-1]]], dtype=torch.long, device=self.device)
-        ids = self.drafter.block_ids(anchor)  # (1, B)
-        pos = torch.arange(pending, pending + self.block_size, device=self.device).unsqueeze(0)
-        hidden = self.drafter.block_hidden(ids, pos, self.cache)  # (1, B, H)
-        # a fresh (n, H) copy of the slots' rows before the LM head (a strided view takes
-        # torch's slow CPU bf16 path, as in the EAGLE proposer)
-        logits = self.drafter.compute_logits(hidden[0, 1:n + 1].contiguous()).float()  # (n, V)
+        hidden = self.drafting.block(int(ctx.tokens[-1]))  # (B, H)
+        logits = self.drafter.compute_logits(hidden[1:n + 1]).float()  # (n, V); contiguous rows
         if ctx.sampling.greedy:
             return Proposal.chain(top1(logits).tolist())
         drafts, qs = [], []
