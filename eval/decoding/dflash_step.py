@@ -29,8 +29,6 @@ built. Outputs equal the module path's up to rounding (``tests/eval/test_dflash_
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -40,20 +38,6 @@ from draftsmith.eval.decoding.kv_cache import SlabCache
 from draftsmith.heads.dflash import KVCache
 
 ROPE_TABLE_MIN = 1024  # positions in the first RoPE table
-
-
-def _tail(fused: FusedLinear, start: int) -> FusedLinear:
-    """The linears ``start:`` of ``fused``, reading the rows of its concatenated weight (views)."""
-    part = copy.copy(fused)
-    part.linears, part.sizes = fused.linears[start:], fused.sizes[start:]
-    skip = sum(fused.sizes[:start])
-    if fused.kind != "separate":
-        part.weight = fused.weight[skip:]
-        if fused.kind == "int8":
-            part.scales = fused.scales[skip:]
-        if fused.bias is not None:
-            part.bias = fused.bias[skip:]
-    return part
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -72,7 +56,7 @@ class _LayerStep:
         self.n_heads, self.n_kv, self.head_dim = attn.heads, attn.kv_heads, attn.head_dim
         self.group = self.n_heads // self.n_kv
         self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.kv = _tail(self.qkv, 1)
+        self.kv = self.qkv.tail(1)
         self.o_proj, self.q_norm, self.k_norm = attn.o_proj, attn.q_norm, attn.k_norm
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
@@ -126,12 +110,16 @@ class DFlashStep:
 
     def reset(self, capacity: int) -> None:
         """Empty the cache (its buffers are kept) and make room for ``capacity`` positions."""
-        for layer in self.cache.layers:
-            layer.crop(-layer.length)
+        self.cache.reset()
         self.n_ctx = 0
         self.cache.reserve(capacity + self.block_size)  # the block's keys go past the context
         row = self.drafter.embed_tokens.weight[int(self.drafter.cfg.mask_token_id)]
         self._masks = row.to(self.dtype).expand(self.block_size - 1, -1)
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`reset` has started a request."""
+        return self._masks is not None
 
     def append(self, feats: Tensor) -> None:
         """Project ``(m, n*H)`` fused target layers (the next ``m`` context positions) into the
@@ -146,7 +134,7 @@ class DFlashStep:
     def block(self, anchor: int) -> Tensor:
         """The final-norm states ``(B, H)`` of the block ``[anchor, MASK x (B-1)]`` at positions
         ``n_ctx .. n_ctx + B - 1`` over the cache, which is left as it was."""
-        if self._masks is None:
+        if not self.ready:
             raise RuntimeError("DFlashStep.block before reset")
         emb = self.drafter.embed_tokens.weight
         x = torch.cat([emb[anchor:anchor + 1].to(self.dtype), self._masks])  # (B, H)

@@ -25,6 +25,7 @@ distribution is only ever a proposal, so decoding stays lossless either way.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +72,20 @@ class FusedLinear:
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         return list(y.split(self.sizes, dim=-1))
+
+    def tail(self, start: int) -> FusedLinear:
+        """The linears ``start:`` as one more :class:`FusedLinear` over the rows of this one's
+        concatenated weight (views: no further copy)."""
+        part = copy.copy(self)
+        part.linears, part.sizes = self.linears[start:], self.sizes[start:]
+        skip = sum(self.sizes[:start])
+        if self.kind != "separate":
+            part.weight = self.weight[skip:]
+            if self.kind == "int8":
+                part.scales = self.scales[skip:]
+            if self.bias is not None:
+                part.bias = self.bias[skip:]
+        return part
 
 
 class EagleStep:

@@ -68,7 +68,6 @@ class DFlashProposer(Proposer):
         # the context cache (preallocated) and the block forward; not named ``step``: decode's
         # ``fused_draft=false`` clears a proposer's ``step`` (the EAGLE head's modules path)
         self.drafting = DFlashStep(drafter)
-        self._started = False
 
     @property
     def n_ctx(self) -> int:
@@ -78,7 +77,7 @@ class DFlashProposer(Proposer):
     @property
     def cache(self) -> KVCache | None:
         """Every layer's context keys and values (views of the buffers), None before a reset."""
-        return self.drafting.context_kv() if self._started else None
+        return self.drafting.context_kv() if self.drafting.ready else None
 
     # ----- the context cache -------------------------------------------------------------------
     @torch.inference_mode()
@@ -93,7 +92,6 @@ class DFlashProposer(Proposer):
     @torch.inference_mode()
     def reset(self, tokens: list[int], target_out: TargetOutput) -> None:
         self.drafting.reset(len(tokens) + RESERVE)
-        self._started = True
         self._append(target_out)  # the prompt's rows: positions 0 .. len(tokens) - 2
 
     def accept(self, path: list[int], new_tokens: list[int], target_out: TargetOutput) -> None:
@@ -104,7 +102,7 @@ class DFlashProposer(Proposer):
         if k <= 0:
             return Proposal.empty()
         pending = len(ctx.tokens) - 1  # the anchor's position
-        if not self._started or pending != self.n_ctx:
+        if not self.drafting.ready or pending != self.n_ctx:
             raise RuntimeError(f"DFlash state out of sync: the context cache holds {self.n_ctx} "
                                f"positions, the pending token is at {pending}")
         n = min(k, self.block_size - 1)
