@@ -49,9 +49,11 @@ from draftsmith.eval.draft import (
     build_proposer,
     load_draft,
     parse_draft_vocab,
+    record_at,
     resolve_k,
     settle,
 )
+from draftsmith.eval.retime import check_retime, measured_here, replan
 
 CONF_FILE = CONF_DIR / "decode.yaml"
 NO_DRAFT = ("none", "null", "")
@@ -106,6 +108,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("fused_draft", True) not in (True, False):
         raise ValueError(f"fused_draft={cfg.get('fused_draft')!r}: allowed true (the EAGLE "
                          "head's layer as plain tensor ops) or false (its transformers modules)")
+    check_retime(cfg.get("retime", "auto"))
     if cfg.get("suffix", True) not in (True, False):
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
@@ -131,7 +134,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer
     records = session.prompt_records(cfg.prompts, tok, cfg.limit)
-    proposer, k, k_source = make_proposer(cfg, loaded)
+    proposer, k, k_source = make_proposer(cfg, loaded, records)
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
     tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
@@ -198,13 +201,17 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
             "batch_size": batch_size}
 
 
-def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
+def make_proposer(cfg: DictConfig, loaded: Any,
+                  records: list[dict] | None = None) -> tuple[Proposer, int, str]:
     """The proposer ``cfg.draft`` names, its initial K and where K came from (the target
-    ``loaded`` already in ``cfg.dtype`` on ``cfg.device``)."""
+    ``loaded`` already in ``cfg.dtype`` on ``cfg.device``). Given ``records``, a record measured
+    on another machine or dtype is re-timed on the first prompt (``retime``, :mod:`eval.retime`)."""
     proposer = baseline_proposer(cfg.draft)
     if proposer is None:
         pkg = load_draft(cfg.draft, loaded)
         plan = settle(cfg, pkg)
+        if records:
+            plan = retimed(cfg, pkg, plan, loaded, records[0]["prompt_ids"])
         vocab = int(loaded.model.config.vocab_size)
         proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
         if cfg.get("compile_draft", False):
@@ -220,6 +227,24 @@ def make_proposer(cfg: DictConfig, loaded: Any) -> tuple[Proposer, int, str]:
     if proposer.name == "plain":
         return proposer, 0, "plain"
     return proposer, *resolve_k(cfg.k, None)
+
+
+def retimed(cfg: DictConfig, pkg: Any, plan: Any, loaded: Any, prompt_ids: list[int]) -> Any:
+    """``plan``, or the plan :func:`eval.retime.replan` chooses with this machine's costs: with
+    ``retime=auto`` when the record was measured on another machine or dtype, ``true`` always;
+    never where ``k`` or ``tree_size`` was given, at ``batch_size > 1`` or without a record."""
+    mode = check_retime(cfg.get("retime", "auto"))
+    record, _ = record_at(pkg.speculation, float(cfg.temperature or 0.0))
+    if (mode == "false" or plan.k == 0 or cfg.get("k") is not None
+            or cfg.get("tree_size") is not None or int(cfg.get("batch_size") or 1) > 1
+            or not isinstance(record.get("k_star"), int) or not record.get("alpha")):
+        return plan
+    if mode == "auto" and measured_here(record, str(cfg.dtype), str(cfg.device)):
+        return plan
+    plan, shapes = replan(cfg, pkg, plan, loaded, prompt_ids, record)
+    shown = ", ".join(f"{s.nodes or 'chain'}/{s.k}: {s.speedup:.2f}x" for s in shapes[:4])
+    print(f"{plan.k_source} [shape/depth: predicted speedup: {shown}]")
+    return plan
 
 
 def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, records: list,

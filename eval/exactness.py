@@ -8,7 +8,8 @@ The reference output of each prompt is computed once with transformers ``generat
 EOS ids). Every prompt is then decoded at temperature 0 through :class:`SpeculativeDecoder` with
 plain decoding (K = 0), prompt lookup, the suffix proposer and, per draft package, its proposers
 (draft LM chain, Medusa tree, EAGLE chain and EAGLE dynamic tree), each also beside the suffix
-proposer with both proposals merged into one tree every round (``suffix=true``). With
+proposer: both proposals merged into one tree every round (``suffix_modes=[merge]``) and the
+per-round choice decode.py makes (``auto``). ``only=[names]`` checks some of them. With
 ``drafts=[]`` untrained stand-ins are built in-process (a draft LM copied from target layers,
 fresh Medusa heads, a fresh EAGLE head): greedy exactness does not depend on draft quality.
 
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from draftsmith.eval import CONF_DIR, session
 from draftsmith.eval.decode import DTYPES
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
-from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
+from draftsmith.eval.decoding.proposers_suffix import SUFFIX_MODES, SuffixProposer
 from draftsmith.eval.decoding.stats import DecodeStats
 from draftsmith.eval.draft import build_proposer, load_draft, parse_draft_vocab, settle
 from draftsmith.eval.machine import environment
@@ -186,14 +187,27 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
             proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
             label = f"{family.name}-{tree}{f'/{size}ids' if size else ''}"
             out.append((f"{label}@{name}", proposer))
-            if cfg.get("suffix", True) and size is None:  # the hybrid, merging every round
-                out.append((f"{label}+suffix@{name}",
+            for mode in _hybrid_modes(cfg) if size is None else ():  # beside the suffix
+                tag = "+suffix" if mode == "merge" else f"+suffix-{mode}"
+                out.append((f"{label}{tag}@{name}",
                             SuffixProposer(build_proposer(pkg, plan, loaded, vocab, cfg.device,
-                                                          cfg.dtype), vocab, mode="merge")))
+                                                          cfg.dtype), vocab, mode=mode)))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a folder name ({names}); give folders distinct names")
-    return out
+    only = _as_list(cfg.get("only"))
+    return [(n, p) for n, p in out if not only or n.split("@")[0] in only]
+
+
+def _hybrid_modes(cfg: DictConfig) -> list[str]:
+    """The hybrids checked per draft (``suffix_modes``; none with ``suffix=false``)."""
+    if not cfg.get("suffix", True):
+        return []
+    modes = _as_list(cfg.get("suffix_modes", ["merge"]))
+    bad = [m for m in modes if m not in SUFFIX_MODES]
+    if bad:
+        raise ValueError(f"suffix_modes={modes}: allowed {list(SUFFIX_MODES)}")
+    return modes
 
 
 # ----------------------------------------------------------------------------- run

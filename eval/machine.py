@@ -20,13 +20,30 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# instruction-set features that change which dtype and which draft shape is fastest
+ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
+
+
+def cpu_isa() -> list[str]:
+    """The :data:`ISA_FLAGS` this CPU reports in ``/proc/cpuinfo`` (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for name in ISA_FLAGS if name in flags]
+    except OSError:
+        pass
+    return []
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """``{"hardware", "versions", "date"}`` of this process, ``device`` the one measured on."""
     import transformers
 
     hw: dict[str, Any] = {"cpu": _cpu_model(), "machine": platform.machine(),
                           "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                          "torch_threads": torch.get_num_threads()}
+                          "torch_threads": torch.get_num_threads(), "isa": cpu_isa()}
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda":
         hw["gpu"] = torch.cuda.get_device_name(dev)

@@ -104,10 +104,14 @@ def test_measure_writes_a_verified_speculation_json_that_decode_uses(decode_setu
     update_package_json(pkg, "speculation.json", {**on_disk, "k_star": 2})  # whatever K* says
     summary = _decode(decode_setup, pkg, "limit=1", "baseline=false")["summary"]
     assert (summary["k"], summary["k_source"]) == (2, "speculation.json")
-    # a K* measured in another dtype is the nearest record, and said so
-    summary = _decode(decode_setup, pkg, "limit=1", "baseline=false", "dtype=bfloat16")["summary"]
+    # a K* measured in another dtype is the nearest record, and said so (retime=false), or its
+    # costs are timed again in this dtype before it is trusted (the default)
+    summary = _decode(decode_setup, pkg, "limit=1", "baseline=false", "dtype=bfloat16",
+                      "retime=false")["summary"]
     assert summary["k"] == 2
     assert summary["k_source"] == "speculation.json (float32's record: nearest measured)"
+    summary = _decode(decode_setup, pkg, "limit=1", "baseline=false", "dtype=bfloat16")["summary"]
+    assert summary["k_source"].startswith("re-timed here: ")
     (pkg / "speculation.json").write_text(json.dumps({**on_disk, "k_star": 5}))  # not via update
     with pytest.raises(PackageIntegrityError, match="speculation.json"):
         _decode(decode_setup, pkg, "limit=1")

@@ -192,6 +192,20 @@ def test_tiny_check_fails_on_a_verifier_that_accepts_everything(tiny_setup, monk
     assert res["proposers"]["plain"]["identical"] == 2  # plain drafts nothing: unaffected
 
 
+def test_only_and_the_per_round_hybrid(tiny_setup):
+    """``only`` keeps the named proposers; ``suffix_modes`` adds decode.py's per-round hybrid."""
+    names = ["suffix", "eagle-tree+suffix", "eagle-tree+suffix-auto"]
+    res = exactness.run_overrides(_tiny_overrides(tiny_setup, f"only=[{','.join(names)}]",
+                                                  "suffix_modes=[merge,auto]"),
+                                  tiny_setup["loaded"])
+    assert set(res["proposers"]) == {"suffix", "eagle-tree+suffix@untrained",
+                                     "eagle-tree+suffix-auto@untrained"}
+    assert res["passed"] and all(r["identical"] == 2 for r in res["proposers"].values())
+    with pytest.raises(ValueError, match="suffix_modes="):
+        exactness.run_overrides(_tiny_overrides(tiny_setup, "suffix_modes=[both]"),
+                                tiny_setup["loaded"])
+
+
 def test_bad_settings_are_rejected(tiny_setup):
     with pytest.raises(ValueError, match="min_fraction"):
         exactness.run_overrides(_tiny_overrides(tiny_setup, "min_fraction=1.5"),
