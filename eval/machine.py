@@ -9,15 +9,20 @@ from typing import Any
 import torch
 
 
-def _cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (None: no such line, or none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 # instruction-set features that change which dtype and which draft shape is fastest
@@ -26,15 +31,8 @@ ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 def cpu_isa() -> list[str]:
     """The :data:`ISA_FLAGS` this CPU reports in ``/proc/cpuinfo`` (empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [name for name in ISA_FLAGS if name in flags]
-    except OSError:
-        pass
-    return []
+    flags = set((_cpuinfo("flags") or "").split())
+    return [name for name in ISA_FLAGS if name in flags]
 
 
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:

@@ -3,12 +3,12 @@
 A record carries two kinds of fact. Acceptance (alpha per position, tau of each tree shape) belongs
 to the draft and the target and travels between machines; costs (a plain step, a verify forward
 of ``n`` tokens, a drafted token) belong to the machine. They differ a great deal: a 16-token
-verify of SmolLM2-135M costs 1.17 plain steps in bf16 on a CPU with AMX, 1.8 in fp32 and 6.7 in
-bf16 on a 2-core AVX2 CPU without bf16 instructions, where the release's measured depth-4 tree
-decoded at 0.47x of plain. So unless the record proves it was measured here (same CPU model,
-core and thread count, instruction-set features, device type and dtype), :func:`replan` times
-this machine's costs on the first prompt (:func:`eval.kstar.measure_costs`, a few seconds) and
-chooses again among the shapes the record measured:
+verify of SmolLM2-135M costs 1.17 plain steps in bf16 on a CPU with AMX, 2.0-2.5 in fp32 and
+7.5 in bf16 on a 2-core AVX2 CPU without bf16 instructions, where the release's measured depth-4
+tree decoded at 0.36x of plain (bench/retime/). So unless the record proves it was measured here
+(same CPU model, core and thread count, instruction-set features, device type and dtype),
+:func:`replan` times this machine's costs on the first prompt (:func:`eval.kstar.measure_costs`,
+a few seconds) and chooses again among the shapes the record measured:
 
 - a chain of K drafts yields ``E_K`` tokens (from the record's alphas, :mod:`eval.decoding.cost`);
 - a tree of depth ``d`` and ``n`` nodes yields the tau the record measured for it;
