@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py $(TRAIN_ARGS)
 	$(BIN)/python scripts/bench.py $(ARGS)
 	$(BIN)/python scripts/bench_batch.py $(BATCH_ARGS)
+	$(BIN)/python scripts/bench_kernels.py $(KERNELS_ARGS)
 	$(BIN)/python scripts/bench_rounds.py $(ROUNDS_ARGS)
 
 engines: $(STAMP)

@@ -62,6 +62,7 @@ class LoadedTarget:
     identity: TargetIdentity
     path: Path | None = None
     chat_format: str = "tokenizer"
+    kernels: str = "default"  # decoding's matmul kernels (eval.decoding.kernels; set by eval)
 
 
 def _is_gguf(path: Path) -> bool:

@@ -40,6 +40,7 @@ from draftsmith.eval.checks import (
     integer,
     number,
 )
+from draftsmith.eval.decoding.kernels import check_kernels, kernels_in
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
 from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.slots import check_layout
@@ -109,6 +110,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"fused_draft={cfg.get('fused_draft')!r}: allowed true (the EAGLE "
                          "head's layer as plain tensor ops) or false (its transformers modules)")
     check_retime(cfg.get("retime", "auto"))
+    check_kernels(cfg.get("kernels", "auto"))
     if cfg.get("suffix", True) not in (True, False):
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
@@ -195,6 +197,7 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
                               and proposer.inner is not None else None),
             "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
             "device": str(dec.target.device), "dtype": cfg.dtype,
+            "kernels": kernels_in(dec.target.model),
             "temperature": float(cfg.temperature), "top_k": int(cfg.top_k),
             "top_p": float(cfg.top_p), "prompts": str(cfg.prompts), "limit": cfg.limit,
             "max_new_tokens": int(cfg.max_new_tokens), "n_samples": len(res.samples),
@@ -239,7 +242,8 @@ def retimed(cfg: DictConfig, pkg: Any, plan: Any, loaded: Any, prompt_ids: list[
             or cfg.get("tree_size") is not None or int(cfg.get("batch_size") or 1) > 1
             or not isinstance(record.get("k_star"), int) or not record.get("alpha")):
         return plan
-    if mode == "auto" and measured_here(record, str(cfg.dtype), str(cfg.device)):
+    if mode == "auto" and measured_here(record, str(cfg.dtype), str(cfg.device),
+                                        kernels_in(loaded.model)):
         return plan
     plan, shapes = replan(cfg, pkg, plan, loaded, prompt_ids, record)
     shown = ", ".join(f"{s.nodes or 'chain'}/{s.k}: {s.speedup:.2f}x" for s in shapes[:4])

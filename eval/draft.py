@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from draftsmith.eval.decoding.kernels import apply_kernels, int8_or_dense, kernels_in
 from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.heads.family import FAMILIES
 from draftsmith.heads.family_base import TreeKind, load_object
@@ -419,9 +420,16 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
     if scheme and torch.device(device).type != "cpu":
         raise ValueError(f"{pkg.path} is an {scheme} draft (scripts/quantize.py), measured on the "
                          f"CPU only, not on {device}: decode its source package there")
+    kernels = getattr(loaded_target, "kernels", "default")
     if scheme in FP32_ONLY:  # dynamic int8 matmuls take float32 inputs
         module = pkg.module.eval()
     else:
         module = pkg.module.to(device=device, dtype=getattr(torch, dtype)).eval()
+        if scheme == "int8" and torch.device(device).type == "cpu":
+            used, why = int8_or_dense(module, kernels)
+            if used == "dense":
+                print(f"draft weights: int8 dequantized ({why})")
+        if pkg.family.hf_model and kernels_in(loaded_target.model) == "packed":
+            apply_kernels(module, "auto")  # a draft LM's matmuls are the target's kind
     ids = draft_vocab_ids(settings.draft_vocab, pkg, loaded_target, vocab_size)
     return proposer_class(pkg.family).for_draft(module, pkg.head_config, vocab_size, settings, ids)

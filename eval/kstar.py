@@ -16,6 +16,7 @@ import torch
 
 from draftsmith.eval.decoding.cost import Costs, choose_kstar
 from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+from draftsmith.eval.decoding.kernels import kernels_in
 from draftsmith.eval.decoding.proposal import DecodeContext, Sampling
 from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.stats import DecodeStats
@@ -169,4 +170,5 @@ def measure_speculation(target: Target, proposer: Proposer, prompts: Sequence[Se
                       "t_verify_tree": {str(k): v for k, v in costs["t_verify_tree"].items()},
                       "unit": "seconds", "statistic": f"median of {repeats}",
                       "context_tokens": len(prompts[0])},
-            "proposer": proposer.name, "dtype": dtype, **environment(target.device)}
+            "proposer": proposer.name, "dtype": dtype, "kernels": kernels_in(target.model),
+            **environment(target.device)}

@@ -62,13 +62,18 @@ def check_retime(value: Any) -> str:
     return text
 
 
-def measured_here(record: Mapping, dtype: str, device: str) -> bool:
-    """Whether ``record`` was measured in ``dtype`` on this machine: same device, dtype and
-    :data:`SAME_MACHINE_KEYS`. A record without instruction-set features (older than them)
-    cannot show it: CPU model names are shared by very different chips ("AMD EPYC")."""
+def measured_here(record: Mapping, dtype: str, device: str,
+                  kernels: str | None = None) -> bool:
+    """Whether ``record`` was measured in ``dtype`` on this machine: same device, dtype,
+    :data:`SAME_MACHINE_KEYS` and, given ``kernels``, the same target kernels (records older than
+    prepacked kernels were measured with the default ones). A record without instruction-set
+    features (older than them) cannot show it: CPU model names are shared by very different
+    chips ("AMD EPYC")."""
     hw = record.get("hardware") or {}
     here = environment(device)["hardware"]
     if record.get("dtype") != dtype or "isa" not in hw:
+        return False
+    if kernels is not None and record.get("kernels", "default") != kernels:
         return False
     if torch.device(str(hw.get("device", "cpu"))) != torch.device(str(device)):
         return False

@@ -60,7 +60,17 @@ def open_target(cfg: Mapping[str, Any], loaded: Any = None) -> Any:
         if not path and cfg.get("draft"):
             path = draft_target_path(cfg["draft"])
         loaded = load_target(path or None, dtype=dtype, chat_template=cfg.get("chat_template"))
+    from draftsmith.eval.decoding.kernels import apply_kernels, kernels_in
+
+    if kernels_in(loaded.model) == "packed":  # packed once, for this dtype and device
+        if loaded.model.dtype != dtype:
+            raise ValueError(f"the target's linears are packed for {loaded.model.dtype}, not "
+                             f"{dtype}: load it again for another dtype")
+        return loaded
     loaded.model.to(device=cfg["device"], dtype=dtype).eval()
+    loaded.kernels = str(cfg.get("kernels", "auto"))
+    used, why = apply_kernels(loaded.model, loaded.kernels)
+    print(f"target kernels: {used} ({why})")
     return loaded
 
 

@@ -281,7 +281,7 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     cfg.dtype = resolve_dtype(cfg.dtype, str(cfg.device))
     loaded = session.open_target({"target_path": cfg.target_path, "dtype": cfg.dtype,
-                                  "device": cfg.device})
+                                  "device": cfg.device, "kernels": cfg.kernels})
     records = session.prompt_records(str(repo_path(cfg.questions)), loaded.tokenizer,
                                      int(cfg.limit) + 1)  # one more: the profiled prompt
     plain = session.plain_decoder(loaded.model, records)

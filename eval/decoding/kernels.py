@@ -1,0 +1,191 @@
+"""Prepacked oneDNN matrix products for a target decoded on a CPU.
+
+A decoding step multiplies a few rows (one token, or the K drafts and a tree's nodes) by every
+weight matrix of the target. torch's default CPU path for ``F.linear`` hands these to MKL's
+GEMM, which re-packs the whole weight on every call once more than one row is fed: on a 2-core
+AVX2 CPU (Zen 3) a 2-row product over Qwen2.5-Coder-1.5B's 8960 x 1536 MLP weight costs 2.3x a
+1-row one and its 151,936-row LM head 4 rows for 3.5x one. Verifying drafts then costs several
+plain steps and no draft can pay. oneDNN's linear over a weight reordered once into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops inductor's
+weight prepacking uses) streams the weight once whatever the row count: on that CPU the whole
+1.5B target then costs 263 / 294 / 323 / 375 / 590 ms for 1 / 2 / 4 / 8 / 16 fed tokens at a
+300-token context, against 367 / 714 / 884 / 941 / 977 ms through transformers' own linears
+(``bench/kernels/``).
+
+:func:`apply_kernels` swaps a model's ``nn.Linear`` modules for :class:`PackedLinear` where that
+measures faster here (``kernels=auto``: one MLP weight timed both ways at 1 and 8 rows), or
+always (``packed``), or never (``default``). Packing changes floating-point rounding, not the
+model: plain decoding and verification use the same packed target, so the decoder stays
+lossless (greedy identity is checked in fp32 by ``eval/exactness.py``). oneDNN packs fp32 on any
+x86 CPU and bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere ``auto`` keeps the
+default kernels and says why.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("auto", "packed", "default")
+HINT_ROWS = 16  # the row count oneDNN's reorder is tuned for: measured the best for 2-16 rows
+PROBE_ROWS = (1, 8)  # `auto` times a plain step's and a verify forward's row counts
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` over a oneDNN-reordered copy of its weight (inference only).
+
+    ``weight`` stays the original tensor (other code reads it: tied embeddings, draft
+    vocabularies cut from the LM head), so a tied LM head costs one packed copy; an untied
+    linear's original is released when nothing else holds it (:func:`apply_kernels`).
+    """
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, HINT_ROWS)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.weight = linear.weight if keep_weight else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, oneDNN prepacked")
+
+
+def check_kernels(value: object) -> str:
+    """``kernels`` as one of :data:`KERNELS`."""
+    text = str(value).lower()
+    if text not in KERNELS:
+        raise ValueError(f"kernels={value!r}: allowed auto (oneDNN prepacked linears where "
+                         "measured faster here), packed (always) or default (torch's own)")
+    return text
+
+
+def packing_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why oneDNN cannot pack a ``dtype`` linear on ``device`` here (None: it can)."""
+    if device.type != "cpu":
+        return f"device {device.type}: prepacked kernels are for CPUs"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), HINT_ROWS)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), w, None, "none",
+                                           [], "")
+    except RuntimeError as err:
+        return f"oneDNN cannot pack {dtype} on this CPU ({str(err).splitlines()[0]})"
+    return None
+
+
+def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:  # subclasses (LoRA, quantized) keep their own forward
+                yield parent, name, child
+
+
+def _median_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def probe(linear: nn.Linear) -> dict[str, list[float]]:
+    """Milliseconds of ``linear`` at :data:`PROBE_ROWS` rows: ``default`` and ``packed``."""
+    packed = PackedLinear(linear, keep_weight=True)
+    out: dict[str, list[float]] = {"rows": list(PROBE_ROWS), "default": [], "packed": []}
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype)
+        out["default"].append(round(_median_ms(
+            lambda x=x: F.linear(x, linear.weight, linear.bias)), 3))
+        out["packed"].append(round(_median_ms(lambda x=x: packed(x)), 3))
+    return out
+
+
+def apply_kernels(model: nn.Module, kernels: str = "auto") -> tuple[str, str]:
+    """Pack ``model``'s linears as ``kernels`` says; returns ``(used, why)``, ``used`` one of
+    ``packed`` / ``default``. Call after the model has its final device and dtype."""
+    kernels = check_kernels(kernels)
+    layers = list(_linears(model))
+    if kernels == "default" or not layers:
+        return "default", "kernels=default" if layers else "no nn.Linear modules"
+    param = next(model.parameters())
+    why_not = packing_unsupported(param.dtype, param.device)
+    if why_not:
+        if kernels == "packed":
+            raise ValueError(f"kernels=packed: {why_not}; use kernels=auto or default")
+        return "default", why_not
+    why = "kernels=packed"
+    if kernels == "auto":
+        largest = max((lin for _, _, lin in layers if lin.out_features < 65536),
+                      key=lambda lin: lin.weight.numel(), default=layers[0][2])
+        times = probe(largest)
+        shown = ", ".join(f"{r} rows {d:.2f} -> {p:.2f} ms" for r, d, p in
+                          zip(times["rows"], times["default"], times["packed"]))
+        why = f"{tuple(largest.weight.shape)} weight: {shown}"
+        if sum(times["packed"]) >= sum(times["default"]):
+            return "default", f"prepacked not faster here ({why})"
+    tied = {id(model.get_input_embeddings().weight)} if hasattr(model, "get_input_embeddings") \
+        and model.get_input_embeddings() is not None else set()
+    for parent, name, linear in layers:
+        # a weight other modules read (tied to the embeddings) is kept beside its packed copy
+        keep = id(linear.weight) in tied or linear is _output_linear(model)
+        setattr(parent, name, PackedLinear(linear, keep_weight=keep))
+    return "packed", why
+
+
+def _output_linear(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def kernels_in(model: nn.Module) -> str:
+    """``packed`` if any of ``model``'s linears are :class:`PackedLinear`, else ``default``."""
+    return "packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "default"
+
+
+@torch.inference_mode()
+def int8_or_dense(module: nn.Module, kernels: str = "auto") -> tuple[str, str]:
+    """Keep a weight-only int8 draft's int8 layers, or multiply by their dequantized weights,
+    whichever is faster here (``kernels=default``: keep them); returns ``(used, why)``, ``used``
+    one of ``int8`` / ``dense`` / ``none`` (no int8 layer).
+
+    torch's int8 weight-only kernel (``torch._weight_int8pack_mm``) is fast where the CPU has
+    AVX-512 or AMX, but on a 2-core AVX2 CPU it runs one matrix-vector product per row: a
+    16,384 x 1,536 weight costs 13 ms for one row and 415 ms for 32 (a head catching up on 32
+    positions after plain steps), against 5 and 32 ms dense in fp32. The dequantized weights are
+    the numbers the int8 layer multiplies by, so the draft stays the same draft."""
+    from draftsmith.heads.quantize import Int8Linear, dequantize
+
+    layers = [m for m in module.modules() if isinstance(m, Int8Linear)]
+    if not layers:
+        return "none", "no int8 layers"
+    if check_kernels(kernels) == "default":
+        return "int8", "kernels=default"
+    largest = max(layers, key=lambda m: m.weight_int8.numel())
+    dense = largest.weight
+    rows_ms = {"int8": [], "dense": []}
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, largest.in_features, dtype=largest.scales.dtype)
+        rows_ms["int8"].append(_median_ms(lambda x=x: largest(x)))
+        rows_ms["dense"].append(_median_ms(lambda x=x: F.linear(x, dense)))
+    shown = ", ".join(f"{r} rows {i:.2f} -> {d:.2f} ms" for r, i, d in
+                      zip(PROBE_ROWS, rows_ms["int8"], rows_ms["dense"]))
+    why = f"{tuple(dense.shape)} int8 weight against dense: {shown}"
+    if sum(rows_ms["dense"]) >= sum(rows_ms["int8"]):
+        return "int8", why
+    dequantize(module)
+    return "dense", why
