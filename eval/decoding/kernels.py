@@ -38,18 +38,31 @@ PROBE_ROWS = (1, 8)  # `auto` times a plain step's and a verify forward's row co
 class PackedLinear(nn.Module):
     """``nn.Linear`` over a oneDNN-reordered copy of its weight (inference only).
 
-    ``weight`` stays the original tensor (other code reads it: tied embeddings, draft
-    vocabularies cut from the LM head), so a tied LM head costs one packed copy; an untied
-    linear's original is released when nothing else holds it (:func:`apply_kernels`).
+    With ``keep_weight`` the original parameter stays (a weight tied to the embeddings: the
+    packed copy is the only extra memory); otherwise it is released when nothing else holds it
+    (:func:`apply_kernels`) and ``weight`` / ``state_dict()`` give it back from the packed copy
+    (the same numbers), for code that reads a target's weights (a draft LM built from the
+    target's layers, draft vocabularies cut from its LM head).
     """
 
     def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
         super().__init__()
-        weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, HINT_ROWS)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.weight = linear.weight if keep_weight else None
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        if keep_weight:
+            self.weight = linear.weight
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), HINT_ROWS)
+
+    def __getattr__(self, name: str):
+        packed = self.__dict__.get("packed")
+        if name == "weight" and packed is not None and "weight" not in self._parameters:
+            return packed.to_dense()
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "weight" not in self._parameters:
+            destination[prefix + "weight"] = self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -27,7 +27,8 @@ def test_packed_linear_computes_the_linear(bias):
     torch.manual_seed(0)
     lin = nn.Linear(48, 80, bias=bias)
     packed = PackedLinear(lin, keep_weight=False)
-    assert packed.weight is None and "prepacked" in repr(packed)
+    assert torch.equal(packed.weight, lin.weight) and "prepacked" in repr(packed)
+    assert set(packed.state_dict()) == ({"weight", "bias"} if bias else {"weight"})
     for shape in [(1, 48), (3, 48), (16, 48), (2, 5, 48)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias),
@@ -45,10 +46,18 @@ def test_packing_a_model_keeps_its_outputs_and_shared_weights():
     assert not any(type(m) is nn.Linear for m in model.modules())
     # the tied LM head still reads the embedding matrix (draft vocabularies cut rows of it)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert model.model.layers[0].mlp.up_proj.weight is None  # an untied copy is released
+    up = model.model.layers[0].mlp.up_proj
+    assert "weight" not in dict(up.named_parameters())  # an untied original is released...
+    fresh = tiny_llama(seed=3)
+    torch.testing.assert_close(up.weight, fresh.model.layers[0].mlp.up_proj.weight)  # ...not lost
     with torch.inference_mode():
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    # its state_dict is the unpacked model's: a draft LM can be built from its layers
+    other = tiny_llama(seed=9)
+    other.load_state_dict(model.state_dict())
+    with torch.inference_mode():
+        torch.testing.assert_close(other(ids).logits, before, rtol=1e-5, atol=1e-5)
     assert apply_kernels(model, "packed")[0] == "default"  # nothing left to pack
 
 
