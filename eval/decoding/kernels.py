@@ -22,6 +22,8 @@ default kernels and says why.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import statistics
 import time
 from collections.abc import Iterator
@@ -42,7 +44,9 @@ class PackedLinear(nn.Module):
     packed copy is the only extra memory); otherwise it is released when nothing else holds it
     (:func:`apply_kernels`) and ``weight`` / ``state_dict()`` give it back from the packed copy
     (the same numbers), for code that reads a target's weights (a draft LM built from the
-    target's layers, draft vocabularies cut from its LM head).
+    target's layers, draft vocabularies cut from its LM head). ``.to()`` and ``copy.deepcopy``
+    repack; where the new dtype or device cannot be packed the layer multiplies by the plain
+    weight (``F.linear``).
     """
 
     def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
@@ -51,12 +55,12 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         if keep_weight:
             self.weight = linear.weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), HINT_ROWS)
+        self.packed = _pack(linear.weight.detach())
 
     def __getattr__(self, name: str):
         packed = self.__dict__.get("packed")
         if name == "weight" and packed is not None and "weight" not in self._parameters:
-            return packed.to_dense()
+            return packed.to_dense() if packed.layout == torch._mkldnn else packed
         return super().__getattr__(name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -64,14 +68,43 @@ class PackedLinear(nn.Module):
         if "weight" not in self._parameters:
             destination[prefix + "weight"] = self.weight
 
+    def _apply(self, fn, recurse: bool = True):
+        dense = None if "weight" in self._parameters else self.weight
+        super()._apply(fn, recurse)
+        dense = self._parameters["weight"] if dense is None else fn(dense)
+        self.packed = _pack(dense.detach())
+        return self
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        new = PackedLinear.__new__(PackedLinear)
+        nn.Module.__init__(new)
+        memo[id(self)] = new
+        new.in_features, new.out_features = self.in_features, self.out_features
+        new.register_buffer("bias", copy.deepcopy(self.bias, memo))
+        if "weight" in self._parameters:
+            new.weight = copy.deepcopy(self._parameters["weight"], memo)
+        new.packed = _pack(self.weight.detach().clone())
+        return new.train(self.training)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.packed.layout == torch._mkldnn:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(rows, self.packed, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        how = "oneDNN prepacked" if self.packed.layout == torch._mkldnn else "not packed"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, oneDNN prepacked")
+                f"bias={self.bias is not None}, {how}")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered for oneDNN, or itself where its dtype or device cannot be packed."""
+    if packing_unsupported(weight.dtype, weight.device) is not None:
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight, HINT_ROWS)
 
 
 def check_kernels(value: object) -> str:
@@ -83,6 +116,7 @@ def check_kernels(value: object) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=16)
 def packing_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why oneDNN cannot pack a ``dtype`` linear on ``device`` here (None: it can)."""
     if device.type != "cpu":

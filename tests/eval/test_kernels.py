@@ -160,3 +160,24 @@ def test_an_int8_draft_is_kept_or_multiplied_by_its_dequantized_weights(monkeypa
     assert type(module[0]) is nn.Linear
     with torch.inference_mode():
         torch.testing.assert_close(module(x), before, rtol=1e-5, atol=1e-5)
+
+
+@needs_fp32_packing
+def test_a_packed_model_copies_and_moves_like_any_model():
+    import copy
+
+    model = tiny_llama(seed=4)
+    ids = torch.randint(3, 96, (1, 10))
+    apply_kernels(model, "packed")
+    with torch.inference_mode():
+        before = model(ids).logits
+        twin = copy.deepcopy(model)
+        assert twin.get_output_embeddings().weight is twin.get_input_embeddings().weight
+        assert twin.get_output_embeddings().weight is not model.get_input_embeddings().weight
+        torch.testing.assert_close(twin(ids).logits, before, rtol=1e-5, atol=1e-5)
+        low = copy.deepcopy(model).to(torch.bfloat16)  # repacked, or plain where bf16 cannot be
+        up = low.model.layers[0].mlp.up_proj
+        assert up.weight.dtype == torch.bfloat16
+        assert ("not packed" in repr(up)) == (
+            packing_unsupported(torch.bfloat16, torch.device("cpu")) is not None)
+        torch.testing.assert_close(low(ids).logits.float(), before, rtol=0.1, atol=0.1)
