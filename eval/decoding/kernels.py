@@ -185,18 +185,13 @@ def apply_kernels(model: nn.Module, kernels: str = "auto") -> tuple[str, str]:
         why = f"{tuple(largest.weight.shape)} weight: {shown}"
         if sum(times["packed"]) >= sum(times["default"]):
             return "default", f"prepacked not faster here ({why})"
-    tied = {id(model.get_input_embeddings().weight)} if hasattr(model, "get_input_embeddings") \
-        and model.get_input_embeddings() is not None else set()
+    # the LM head keeps its weight beside the packed copy: it is read (draft vocabularies cut
+    # rows of it) and often tied to the embeddings, whose matrix stays anyway
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
     for parent, name, linear in layers:
-        # a weight other modules read (tied to the embeddings) is kept beside its packed copy
-        keep = id(linear.weight) in tied or linear is _output_linear(model)
-        setattr(parent, name, PackedLinear(linear, keep_weight=keep))
+        setattr(parent, name, PackedLinear(linear, keep_weight=linear is output))
     return "packed", why
-
-
-def _output_linear(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    return get() if callable(get) else None
 
 
 def kernels_in(model: nn.Module) -> str:

@@ -35,12 +35,17 @@ def test_packed_linear_computes_the_linear(bias):
                                    rtol=1e-5, atol=1e-5)
 
 
-@needs_fp32_packing
-def test_packing_a_model_keeps_its_outputs_and_shared_weights():
-    model = tiny_llama(seed=3)
+def _tiny_with_logits(seed: int = 3):
+    """A tiny Llama, a prompt and the model's logits on it before any packing."""
+    model = tiny_llama(seed=seed)
     ids = torch.randint(3, 96, (1, 12))
     with torch.inference_mode():
-        before = model(ids).logits
+        return model, ids, model(ids).logits
+
+
+@needs_fp32_packing
+def test_packing_a_model_keeps_its_outputs_and_shared_weights():
+    model, ids, before = _tiny_with_logits()
     used, why = apply_kernels(model, "packed")
     assert (used, why) == ("packed", "kernels=packed") and kernels_in(model) == "packed"
     assert not any(type(m) is nn.Linear for m in model.modules())
@@ -64,10 +69,7 @@ def test_packing_a_model_keeps_its_outputs_and_shared_weights():
 @needs_fp32_packing
 def test_a_wrongly_packed_weight_is_caught():
     """The twin of the test above: packing another matrix changes the outputs it compares."""
-    model = tiny_llama(seed=3)
-    ids = torch.randint(3, 96, (1, 12))
-    with torch.inference_mode():
-        before = model(ids).logits
+    model, ids, before = _tiny_with_logits()
     apply_kernels(model, "packed")
     mlp = model.model.layers[0].mlp
     wrong = nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
