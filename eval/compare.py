@@ -88,11 +88,11 @@ def run(cfg: DictConfig, loaded: Any = None, command: str | None = None) -> dict
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, cfg.limit)
     made = {name: decode.make_proposer(dcfg, loaded) for name, dcfg in configs.items()}
     decs = [decode.decoder_for(configs[name], model, proposer, k, records)
-            for name, (proposer, k, _) in made.items()]
+            for name, (proposer, k, _, _) in made.items()]
     results = session.paired_many(decs, model, records, session.Sampling.from_config(first),
                                   session.eos_ids(model), float(cfg.noise_tolerance))
     summaries = {name: decode.summarize(configs[name], res, proposer, dec, k, source)
-                 for (name, (proposer, k, source)), dec, res in zip(made.items(), decs, results)}
+                 for (name, (proposer, k, source, _)), dec, res in zip(made.items(), decs, results)}
     result = {"command": command, "target": loaded.identity.name, "prompts": str(cfg.prompts),
               "prompt_ids": [r["id"] for r in records], "dtype": dtype,
               "environment": environment(cfg.device),

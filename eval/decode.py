@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 from omegaconf import DictConfig
@@ -43,6 +43,7 @@ from draftsmith.eval.checks import (
 from draftsmith.eval.decoding.kernels import check_kernels, kernels_in
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
 from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
+from draftsmith.eval.decoding.shadow import Shadow
 from draftsmith.eval.decoding.slots import check_layout
 from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.eval.draft import (
@@ -114,6 +115,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("suffix", True) not in (True, False):
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
+    if cfg.get("shadow", True) not in (True, False):
+        raise ValueError(f"shadow={cfg.get('shadow')!r}: allowed true (where re-timing chose "
+                         "plain decoding, shadow drafts measure the draft on these prompts) or "
+                         "false")
     if (baseline_proposer(cfg.draft) is None and not str(cfg.draft).startswith(PKG_PREFIX)
             and not Path(str(cfg.draft)).expanduser().is_dir()):
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
@@ -136,14 +141,14 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
     loaded = session.open_target(cfg, loaded)
     model, tok = loaded.model, loaded.tokenizer
     records = session.prompt_records(cfg.prompts, tok, cfg.limit)
-    proposer, k, k_source = make_proposer(cfg, loaded, records)
+    proposer, k, k_source, shadow = make_proposer(cfg, loaded, records)
     sampling = session.Sampling.from_config(cfg)
     eos = session.eos_ids(model)
     tolerance = float(cfg.get("noise_tolerance", session.NOISE_TOLERANCE))
     if batch_size > 1:
         dec, res = _decode_batches(cfg, model, proposer, k, records, sampling, eos, tolerance)
     else:
-        dec = decoder_for(cfg, model, proposer, k, records)
+        dec = decoder_for(cfg, model, proposer, k, records, shadow)
         # plain with baseline=true: plain against plain through the same paired path (~1.0x:
         # a check of the measurement itself); plain without a baseline is 1.0x by definition
         res = session.paired(dec, model, records, sampling, eos, baseline=bool(cfg.baseline),
@@ -161,12 +166,15 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict:
 
 
 def decoder_for(cfg: Mapping[str, Any], model: Any, proposer: Proposer, k: int,
-                records: list[dict]) -> Any:
+                records: list[dict], shadow: Shadow | None = None) -> Any:
     """The batch-1 speculative decoder of ``proposer`` as ``cfg`` sets it (K controller, fallback,
-    acceptance rule), warmed up on ``records`` (:func:`eval.session.decoder`)."""
-    return session.decoder(model, proposer, records, k=k, k_max=cfg.k_max,
-                           adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback),
-                           acceptance=cfg.acceptance)
+    acceptance rule), warmed up on ``records`` (:func:`eval.session.decoder`), then given
+    ``shadow`` (the warm-up's two tokens do not count)."""
+    dec = session.decoder(model, proposer, records, k=k, k_max=cfg.k_max,
+                          adaptive=bool(cfg.adaptive_k), fallback=bool(cfg.fallback),
+                          acceptance=cfg.acceptance)
+    dec.shadow = shadow
+    return dec
 
 
 def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k: int,
@@ -195,6 +203,8 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
             # package or both (None: the package alone, or no package)
             "suffix_rounds": (dict(proposer.choices) if isinstance(proposer, SuffixProposer)
                               and proposer.inner is not None else None),
+            # shadow drafts beside plain steps: what they measured, whether a chain was started
+            "shadow": None if getattr(dec, "shadow", None) is None else dec.shadow.report(),
             "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
             "device": str(dec.target.device), "dtype": cfg.dtype,
             "kernels": kernels_in(dec.target.model),
@@ -204,17 +214,28 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
             "batch_size": batch_size}
 
 
-def make_proposer(cfg: DictConfig, loaded: Any,
-                  records: list[dict] | None = None) -> tuple[Proposer, int, str]:
+class Drafting(NamedTuple):
+    """What :func:`make_proposer` settles: the proposer, its initial K, where K came from, and
+    the shadow drafting of a run re-timed to plain decoding (:mod:`eval.decoding.shadow`; None:
+    none), which :func:`decoder_for` hands to the decoder."""
+
+    proposer: Proposer
+    k: int
+    k_source: str
+    shadow: Shadow | None = None
+
+
+def make_proposer(cfg: DictConfig, loaded: Any, records: list[dict] | None = None) -> Drafting:
     """The proposer ``cfg.draft`` names, its initial K and where K came from (the target
     ``loaded`` already in ``cfg.dtype`` on ``cfg.device``). Given ``records``, a record measured
     on another machine or dtype is re-timed on the first prompt (``retime``, :mod:`eval.retime`)."""
     proposer = baseline_proposer(cfg.draft)
+    shadow = None
     if proposer is None:
         pkg = load_draft(cfg.draft, loaded)
         plan = settle(cfg, pkg)
         if records:
-            plan = retimed(cfg, pkg, plan, loaded, records[0]["prompt_ids"])
+            plan, shadow = retimed(cfg, pkg, plan, loaded, records[0]["prompt_ids"])
         vocab = int(loaded.model.config.vocab_size)
         proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
         if cfg.get("compile_draft", False):
@@ -224,31 +245,34 @@ def make_proposer(cfg: DictConfig, loaded: Any,
             proposer.compile()
         if not cfg.get("fused_draft", True) and getattr(proposer, "step", None) is not None:
             proposer.step = None  # the head's transformers modules
-        if cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1 and plan.k > 0:
+        if (cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1
+                and (plan.k > 0 or shadow is not None)):
             proposer = SuffixProposer(proposer, vocab)  # batches draft the package alone
-        return proposer, plan.k, plan.k_source
+        return Drafting(proposer, plan.k, plan.k_source, shadow)
     if proposer.name == "plain":
-        return proposer, 0, "plain"
-    return proposer, *resolve_k(cfg.k, None)
+        return Drafting(proposer, 0, "plain")
+    return Drafting(proposer, *resolve_k(cfg.k, None))
 
 
-def retimed(cfg: DictConfig, pkg: Any, plan: Any, loaded: Any, prompt_ids: list[int]) -> Any:
+def retimed(cfg: DictConfig, pkg: Any, plan: Any, loaded: Any,
+            prompt_ids: list[int]) -> tuple[Any, Shadow | None]:
     """``plan``, or the plan :func:`eval.retime.replan` chooses with this machine's costs: with
     ``retime=auto`` when the record was measured on another machine or dtype, ``true`` always;
-    never where ``k`` or ``tree_size`` was given, at ``batch_size > 1`` or without a record."""
+    never where ``k`` or ``tree_size`` was given, at ``batch_size > 1`` or without a record.
+    With it, the shadow drafting of a plan re-timed to plain decoding (None: none)."""
     mode = check_retime(cfg.get("retime", "auto"))
     record, _ = record_at(pkg.speculation, float(cfg.temperature or 0.0))
     if (mode == "false" or plan.k == 0 or cfg.get("k") is not None
             or cfg.get("tree_size") is not None or int(cfg.get("batch_size") or 1) > 1
             or not isinstance(record.get("k_star"), int) or not record.get("alpha")):
-        return plan
+        return plan, None
     if mode == "auto" and measured_here(record, str(cfg.dtype), str(cfg.device),
                                         kernels_in(loaded.model)):
-        return plan
-    plan, shapes = replan(cfg, pkg, plan, loaded, prompt_ids, record)
+        return plan, None
+    plan, shapes, shadow = replan(cfg, pkg, plan, loaded, prompt_ids, record)
     shown = ", ".join(f"{s.nodes or 'chain'}/{s.k}: {s.speedup:.2f}x" for s in shapes[:4])
     print(f"{plan.k_source} [shape/depth: predicted speedup: {shown}]")
-    return plan
+    return plan, shadow
 
 
 def _decode_batches(cfg: DictConfig, model: Any, proposer: Proposer, k: int, records: list,
@@ -289,6 +313,11 @@ def print_summary(summary: Mapping[str, Any]) -> None:
                   speedup, str(summary["lossless"]))
     console = Console()
     console.print(table)
+    verdict = (summary.get("shadow") or {}).get("verdict")
+    if verdict:
+        said = "drafting it from then on" if verdict["switched"] else "kept plain decoding"
+        console.print(f"shadow drafts: {verdict['chains']} chains, alpha {verdict['alpha']}: "
+                      f"chain K = {verdict['k']} predicted {verdict['predicted']:.2f}x, {said}")
     if summary.get("noisy"):
         console.print(f"noisy: the plain runs of {summary.get('noisy_prompts')} prompts differ by "
                       f"more than {summary.get('noise_tolerance', 0.1):.0%}; the machine's speed "

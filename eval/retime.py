@@ -17,8 +17,10 @@ a few seconds) and chooses again among the shapes the record measured:
   parts, in seconds); a plain step costs the forward timed here plus the record's remainder.
 
 The shape with the highest predicted speedup wins; when none is predicted at least
-:data:`MARGIN` times as fast as plain decoding, the run decodes plainly (K = 0).
-``retime=false`` keeps the record's choice.
+:data:`MARGIN` times as fast as plain decoding, the run decodes plainly (K = 0) and drafts shadow
+chains beside its plain steps (:mod:`eval.decoding.shadow`, :func:`shadow_for`): the draft's
+acceptance on the prompts at hand, with the costs timed here, may still predict a chain at
+:data:`MEASURED_MARGIN` or more, which is then drafted. ``retime=false`` keeps the record's choice.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from draftsmith.eval.decoding.cost import expected_tokens
+from draftsmith.eval.decoding.shadow import Judge, Shadow
 from draftsmith.eval.machine import environment
 
 RETIME_MODES = ("auto", "true", "false")
@@ -39,6 +42,10 @@ RETIME_MODES = ("auto", "true", "false")
 # 1.29x predicted decoded at 0.89x. Where unsure, decode plainly.
 MARGIN = 1.3
 KEEP = 0.95  # the record's own shape stays while predicted within this fraction of the best
+# with the acceptance measured on the prompts at hand (shadow drafts), only the costs are
+# predicted, and they predict well: 1.18x predicted, 1.17x decoded (Qwen2.5-Coder release,
+# MT-bench, fp32, bench/kernels/)
+MEASURED_MARGIN = 1.1
 # what must match for a record's costs to stand for this machine's
 SAME_MACHINE_KEYS = ("cpu", "cpu_count", "torch_threads", "isa", "gpu")
 
@@ -146,12 +153,63 @@ def chosen(plan: Any, shapes: list[Shape]) -> tuple[Shape | None, bool]:
     return shapes[0], False
 
 
+def monotone(local: Mapping) -> dict:
+    """``local`` costs with each forward's time bounded by every wider forward's: feeding more
+    tokens never costs less, so a narrower forward timed slower than a wider one was slowed by the
+    machine, not by its width (one stall among three repeats made a 1-token forward of the 1.5B
+    450 ms against 286 ms for two, and predicted 1.92x from a plain step 1.5x too slow). The
+    plain step ``t_ar`` is the 1-token forward."""
+    t_verify, bound = {}, float("inf")
+    for k in sorted(local["t_verify"], key=int, reverse=True):
+        bound = min(bound, float(local["t_verify"][k]))
+        t_verify[k] = bound
+    out = {**local, "t_verify": t_verify}
+    zero = next((k for k in t_verify if int(k) == 0), None)
+    if zero is not None:
+        out["t_ar"] = min(float(local["t_ar"]), t_verify[zero])
+    return out
+
+
+def shadow_judge(record: Mapping, local: Mapping, fill: bool = False) -> Judge:
+    """The judge of shadow drafts: measured alphas -> the best chain (K, predicted speedup)
+    from :func:`predict` with ``local`` costs and the record's remainders; (0, 0.0) when none is
+    measured. ``fill``: positions past the measured ones take the record's alphas scaled by the
+    measured first one against the record's (sampled decoding scores position 1 only)."""
+    own = [float(a) for a in record.get("alpha") or ()]
+
+    def judge(alpha: list[float]) -> tuple[int, float]:
+        alpha = list(alpha)
+        if fill and alpha and own and own[0] > 0:
+            alpha += [min(1.0, a * alpha[0] / own[0]) for a in own[len(alpha):]]
+        shapes = predict({**record, "alpha": alpha}, local, trees=False)
+        return (shapes[0].k, shapes[0].speedup) if shapes else (0, 0.0)
+
+    return judge
+
+
+def shadow_for(record: Mapping, local: Mapping, shapes: list[Shape],
+               temperature: float) -> Shadow | None:
+    """Shadow drafting for a run that re-timing sent to plain decoding: greedy chains one
+    longer than the best predicted chain (scored position by position), one draft when
+    sampling; None where even a draft that is always accepted would not reach
+    :data:`MEASURED_MARGIN` here."""
+    greedy = float(temperature) == 0
+    chains = [s.k for s in shapes if s.nodes is None]
+    depth = min(len(record.get("alpha") or ()), chains[0] + 1 if chains else 1) if greedy else 1
+    judge = shadow_judge(record, local, fill=not greedy)
+    if depth < 1 or judge([1.0] * depth)[1] < MEASURED_MARGIN:
+        return None
+    return Shadow(depth, judge, MEASURED_MARGIN)
+
+
 def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
-           prompt_ids: Sequence[int], record: Mapping) -> tuple[Any, list[Shape]]:
+           prompt_ids: Sequence[int], record: Mapping
+           ) -> tuple[Any, list[Shape], Shadow | None]:
     """``plan`` (a :class:`eval.draft.DraftSettings`) chosen again from ``record`` with this
-    machine's costs, timed on ``prompt_ids``; and the predicted shapes, best first. Call it only
-    where ``k`` and ``tree_size`` were left to the record; ``tree=chain`` / ``tree=tree`` limit
-    the choice to chains / trees.
+    machine's costs, timed on ``prompt_ids``; the predicted shapes, best first; and, where the
+    plan is plain decoding, the shadow drafting that may start a chain later (None: none;
+    :func:`shadow_for`). Call it only where ``k`` and ``tree_size`` were left to the record;
+    ``tree=chain`` / ``tree=tree`` limit the choice to chains / trees.
     """
     from draftsmith.eval.decoding.target_model import Target
     from draftsmith.eval.draft import build_proposer
@@ -165,8 +223,8 @@ def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
     vocab = int(loaded.model.config.vocab_size)
     chain = build_proposer(pkg, replace(plan, tree=False), loaded, vocab, str(cfg["device"]),
                            str(cfg["dtype"]))
-    local = measure_costs(Target(loaded.model, chain.layer_ids), chain, prompt_ids,
-                          range(len(alpha) + 1), repeats=3, tree_nodes=nodes)
+    local = monotone(measure_costs(Target(loaded.model, chain.layer_ids), chain, prompt_ids,
+                                   range(len(alpha) + 1), repeats=3, tree_nodes=nodes))
     shapes = predict(record, local, trees)
     widths = ", ".join(f"{int(k) + 1}: {t * 1e3:.0f}" for k, t in sorted(local["t_verify"].items()))
     trees_ms = ", ".join(f"{n}: {t * 1e3:.0f}" for n, t in sorted(local["t_verify_tree"].items()))
@@ -175,11 +233,16 @@ def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
     if mode == "tree":  # the user asked for a tree: its depth and size are chosen here
         shapes = [s for s in shapes if s.nodes is not None]
         if not shapes:
-            return plan, shapes
+            return plan, shapes, None
     best, kept = chosen(plan, shapes)
     source = describe(best, kept)
     if best is None or best.speedup < MARGIN:
-        return replace(plan, k=0, k_source=source), shapes
+        shadow = (None if mode == "tree" or not cfg.get("shadow", True)
+                  else shadow_for(record, local, shapes, float(cfg.get("temperature") or 0.0)))
+        if shadow is not None:
+            source += f"; shadow drafts of {shadow.depth} judge the draft on these prompts"
+        return replace(plan, k=0, tree=False, k_source=source), shapes, shadow
     if best.nodes is None:
-        return replace(plan, k=best.k, tree=False, k_source=source), shapes
-    return replace(plan, k=best.k, tree=True, tree_size=best.nodes, k_source=source), shapes
+        return replace(plan, k=best.k, tree=False, k_source=source), shapes, None
+    return (replace(plan, k=best.k, tree=True, tree_size=best.nodes, k_source=source), shapes,
+            None)

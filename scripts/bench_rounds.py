@@ -172,7 +172,7 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
     after them is the profiled one."""
     records, extra = records[:int(cfg.limit)], records[-1]
     dcfg = decode_config(cfg, method)
-    proposer, k, k_source = decode.make_proposer(dcfg, loaded)
+    proposer, k, k_source, _ = decode.make_proposer(dcfg, loaded)
     dec = decode.decoder_for(dcfg, loaded.model, proposer, k, records)
     sampling = session.Sampling.from_config(dcfg)
     eos = session.eos_ids(loaded.model)

@@ -24,6 +24,7 @@ from torch import nn
 from draftsmith.eval.decoding.k_controller import KController
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal, Sampling
 from draftsmith.eval.decoding.proposers import Proposer
+from draftsmith.eval.decoding.shadow import Shadow
 from draftsmith.eval.decoding.stats import DecodeStats, RoundTime
 from draftsmith.eval.decoding.target_model import Target, TargetOutput
 from draftsmith.eval.decoding.verify import (
@@ -109,6 +110,8 @@ class SpeculativeDecoder:
         # the clock of those rounds: wall time, or the process's CPU time (time.process_time),
         # which other processes on a shared machine do not inflate
         self.round_clock = time.perf_counter
+        # shadow drafts beside plain steps while K is 0 (eval/decoding/shadow.py); None: off
+        self.shadow: Shadow | None = None
 
     @property
     def lossless(self) -> bool:
@@ -153,25 +156,21 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         generated: list[int] = []
 
-        out = self.target.prefill(torch.tensor(prompt))
-        first = sampling.token(out.logits[-1], generator)
-        stats.verify_time_s += time.perf_counter() - t_start
-        done = stopper.push(generated, first)
-        if not done:
-            t0 = time.perf_counter()
-            self.proposer.reset(prompt + [first], out)
-            stats.draft_time_s += time.perf_counter() - t0
+        done = self._prefill(prompt, sampling, generator, stats, stopper, generated)
         ctx = DecodeContext(prompt + generated, sampling, generator)
         log = self.round_log is not None
         while not done:
             remaining = max_new_tokens - len(generated)
             k = min(ctrl.next_k(), remaining - 1)
             ctx.budget = remaining - 1
+            watch = (self.shadow.wants(remaining - 1)
+                     if self.shadow is not None and ctrl.k == 0 else 0)
             # 1. propose
             t0 = time.perf_counter()
             c0 = self.round_clock() if log else 0.0
             with self._phase("round.draft"):
                 proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
+                shadow = self.proposer.shadow_chain(ctx, watch) if watch else None
             t1 = time.perf_counter()
             c1 = self.round_clock() if log else 0.0
             # 2. verify: the target's forward, then the acceptance rules
@@ -181,6 +180,8 @@ class SpeculativeDecoder:
             c2 = self.round_clock() if log else 0.0
             with self._phase("round.bookkeeping"):
                 path, nxt, rows, rows_out = self._accept(proposal, out, sampling, generator)
+                if shadow is not None:
+                    self._watch(shadow, out, sampling, len(generated))
                 # 3. accept: commit the accepted drafts and the next token under the stop rules
                 new_tokens = [int(proposal.tokens[j]) for j in path] + [nxt]
                 for tok in new_tokens:
@@ -199,10 +200,13 @@ class SpeculativeDecoder:
             t4 = time.perf_counter()
             # 5. count the round, adapt K (or fall back to plain decoding)
             depth = self._record_round(stats, ctrl, proposal, len(path), len(new_tokens),
-                                       ((t1 - t0) + (t4 - t3), t3 - t1, t4 - t0))
+                                       ((t1 - t0) + (t4 - t3), t3 - t1, t4 - t0),
+                                       t1 - t0 if shadow is not None else 0.0)
             if (not done and time_budget_s is not None
                     and time.perf_counter() - t_start > time_budget_s):
                 stopper.reason, done = "time_budget", True
+            if self.shadow is not None:
+                self._switch(ctrl, generated, done)
             if log:
                 self.round_log.append(RoundTime(depth, len(proposal), len(path), len(new_tokens),
                                                 c1 - c0, c2 - c1, self.round_clock() - c0))
@@ -211,10 +215,50 @@ class SpeculativeDecoder:
         stats.stop_reason = stopper.reason
         return DecodeResult(generated, stats.finalize())
 
+    def _prefill(self, prompt: list[int], sampling: Sampling, generator: torch.Generator,
+                 stats: DecodeStats, stopper: _Stopper, generated: list[int]) -> bool:
+        """The prompt's forward, its first token committed and the proposer started; whether
+        that token already ended the request."""
+        t0 = time.perf_counter()
+        out = self.target.prefill(torch.tensor(prompt))
+        first = sampling.token(out.logits[-1], generator)
+        stats.verify_time_s += time.perf_counter() - t0
+        done = stopper.push(generated, first)
+        if not done:
+            t0 = time.perf_counter()
+            self.proposer.reset(prompt + [first], out)
+            stats.draft_time_s += time.perf_counter() - t0
+        return done
+
+    def _watch(self, chain: Proposal, out: TargetOutput, sampling: Sampling, start: int) -> None:
+        """Hand a shadow ``chain`` drafted beside a plain step to the shadow: greedy chains are
+        scored once their tokens are committed (from ``start`` in the request's output), a
+        sampled one's first draft at once against the plain step's distribution."""
+        if not len(chain) or not chain.is_chain:
+            return
+        if sampling.greedy:
+            self.shadow.drafted(start, chain.tokens.tolist())
+        else:
+            q = None if chain.q is None else chain.q[0]
+            self.shadow.sampled(sampling.warp(out.logits[:1])[0], q, int(chain.tokens[0]))
+
+    def _switch(self, ctrl: KController, generated: list[int], done: bool) -> None:
+        """Score the shadow's finished chains (all of them when the request is ``done``); while
+        decoding plainly, when its judge says a chain pays, draft it from the next round on, in
+        this request and the later ones (``self.k``)."""
+        self.shadow.score(generated, final=done)
+        k = self.shadow.decide() if ctrl.k == 0 else 0
+        if k > 0:
+            ctrl.k = self.k = k
+            ctrl.k_max = max(ctrl.k_max, self.k_max or 2 * k)
+
     def _record_round(self, stats: DecodeStats, ctrl: KController, proposal: Proposal,
-                      accepted: int, committed: int, times: tuple[float, float, float]) -> int:
+                      accepted: int, committed: int, times: tuple[float, float, float],
+                      shadow_s: float = 0.0) -> int:
         """Count a round in ``stats`` and tell the K controller; ``times`` are the round's draft
-        (with bookkeeping), verify and whole seconds. Returns the proposal's depth."""
+        (with bookkeeping), verify and whole seconds, ``shadow_s`` of the draft a shadow chain's
+        (a plain step's cost, as the controller knows it, leaves it out). Returns the
+        proposal's depth."""
         draft_s, verify_s, round_s = times
         depth = int(proposal.depth().max()) if len(proposal) else 0
         stats.record_step(depth, accepted)
@@ -225,7 +269,7 @@ class SpeculativeDecoder:
             ctrl.tree = bool(self.proposer.tree) or not proposal.is_chain
             ctrl.record(depth, len(proposal), accepted, committed, draft_s, verify_s)
         else:
-            ctrl.record_plain(round_s)
+            ctrl.record_plain(round_s - shadow_s)
         return depth
 
     def generator(self, generator: torch.Generator | None = None,

@@ -13,10 +13,11 @@ weight prepacking uses) streams the weight once whatever the row count: on that 
 (``bench/kernels/``).
 
 :func:`apply_kernels` swaps a model's ``nn.Linear`` modules for :class:`PackedLinear` where that
-measures faster here (``kernels=auto``: one MLP weight timed both ways at 1 and 8 rows), or
-always (``packed``), or never (``default``). Packing changes floating-point rounding, not the
-model: plain decoding and verification use the same packed target, so the decoder stays
-lossless (greedy identity is checked in fp32 by ``eval/exactness.py``). oneDNN packs fp32 on any
+measures faster here (``kernels=auto``: one MLP weight timed both ways at 1 and 8 rows, packed
+where faster at both), always (``packed``), or never (``default``). Packing changes
+floating-point rounding, not the model: plain decoding and verification use the same packed
+target, so the decoder stays lossless (greedy identity is checked in fp32 by
+``eval/exactness.py``). oneDNN packs fp32 on any
 x86 CPU and bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere ``auto`` keeps the
 default kernels and says why.
 """
@@ -139,10 +140,13 @@ def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
                 yield parent, name, child
 
 
-def _median_ms(fn, repeats: int = 5) -> float:
+def _median_ms(fn, repeats: int = 5, min_s: float = 0.02, most: int = 200) -> float:
+    """Median milliseconds of ``fn`` over at least ``repeats`` calls and ``min_s`` seconds (at
+    most ``most`` calls): a product of microseconds is timed often enough that one stall of a
+    loaded machine does not decide."""
     fn()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_s and len(times) < most):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -183,8 +187,8 @@ def apply_kernels(model: nn.Module, kernels: str = "auto") -> tuple[str, str]:
         shown = ", ".join(f"{r} rows {d:.2f} -> {p:.2f} ms" for r, d, p in
                           zip(times["rows"], times["default"], times["packed"]))
         why = f"{tuple(largest.weight.shape)} weight: {shown}"
-        if sum(times["packed"]) >= sum(times["default"]):
-            return "default", f"prepacked not faster here ({why})"
+        if any(p >= d for p, d in zip(times["packed"], times["default"])):
+            return "default", f"prepacked not faster here at every width ({why})"
     # the LM head keeps its weight beside the packed copy: it is read (draft vocabularies cut
     # rows of it) and often tied to the embeddings, whose matrix stays anyway
     get_output = getattr(model, "get_output_embeddings", None)

@@ -85,6 +85,11 @@ class Proposer:
                target_out: TargetOutput) -> None:
         """Roll the proposer's state forward to the committed sequence."""
 
+    def shadow_chain(self, ctx: DecodeContext, k: int) -> Proposal:
+        """A chain drafted beside a plain step (eval/decoding/shadow.py): what :meth:`propose`
+        drafts; :meth:`accept` then sees it rejected, as after any rejected round."""
+        return self.propose(ctx, k)
+
 
 class PlainProposer(Proposer):
     """K = 0: plain autoregressive decoding through the same loop."""

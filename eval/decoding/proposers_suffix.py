@@ -244,6 +244,12 @@ class SuffixProposer(Proposer):
         if self.inner is not None:
             self.inner.accept(inner_path, new_tokens, target_out)
 
+    def shadow_chain(self, ctx: DecodeContext, k: int) -> Proposal:
+        """The trained draft's chain alone (shadow drafts judge the draft; the rates of the
+        per-round choice stay those of verified rounds)."""
+        self._round = None
+        return self.propose(ctx, k) if self.inner is None else self.inner.shadow_chain(ctx, k)
+
     # ----- the choice --------------------------------------------------------------------------
     def _verify_cost(self, nodes: int) -> float:
         """Seconds to verify ``nodes`` fed tokens: a least-squares line through the measured

@@ -15,6 +15,7 @@ from draftsmith.eval.retime import (
     chosen,
     describe,
     measured_here,
+    monotone,
     predict,
 )
 from draftsmith.heads.package import update_package_json
@@ -87,6 +88,16 @@ def test_chains_only_and_a_record_without_grid():
     assert all(s.nodes is None for s in predict(_record(), _local(0.0001), trees=False))
 
 
+def test_a_stalled_narrow_forward_is_bounded_by_the_wider_ones():
+    local = _local(0.0001)
+    local["t_verify"][0] = local["t_ar"] = 0.015  # one stall: the 1-token forward timed slow
+    fixed = monotone(local)
+    assert fixed["t_ar"] == fixed["t_verify"][0] == pytest.approx(0.0101)
+    assert [fixed["t_verify"][k] for k in (1, 2, 3)] == [local["t_verify"][k] for k in (1, 2, 3)]
+    # the twin: trusted as timed, the stall makes every shape look 1.5x faster than it is
+    assert predict(_record(), local)[0].speedup > 1.4 * predict(_record(), fixed)[0].speedup
+
+
 def test_measured_here_needs_the_same_machine_and_dtype():
     here = environment("cpu")["hardware"]
     rec = {"dtype": "float32", "hardware": dict(here)}
@@ -127,7 +138,7 @@ def test_decode_retimes_a_foreign_record_and_stays_lossless(decode_setup, tmp_pa
     # a draft that the record says is never accepted: plain decoding, whatever the timings
     update_package_json(pkg, "speculation.json", {**rec, "alpha": [0.0, 0.0, 0.0]})
     summary = _decode(decode_setup, pkg, "retime=true")
-    assert summary["k"] == 0 and summary["k_source"].endswith("plain decoding")
+    assert summary["k"] == 0 and "plain decoding" in summary["k_source"]
     assert summary["matches_baseline"] == 1.0
     with pytest.raises(ValueError, match="retime="):
         _decode(decode_setup, pkg, "retime=maybe")
