@@ -170,7 +170,7 @@ class SpeculativeDecoder:
             c0 = self.round_clock() if log else 0.0
             with self._phase("round.draft"):
                 proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
-                shadow = self.proposer.shadow_chain(ctx, watch) if watch else None
+                watched = self.proposer.shadow_chain(ctx, watch) if watch else None
             t1 = time.perf_counter()
             c1 = self.round_clock() if log else 0.0
             # 2. verify: the target's forward, then the acceptance rules
@@ -180,8 +180,8 @@ class SpeculativeDecoder:
             c2 = self.round_clock() if log else 0.0
             with self._phase("round.bookkeeping"):
                 path, nxt, rows, rows_out = self._accept(proposal, out, sampling, generator)
-                if shadow is not None:
-                    self._watch(shadow, out, sampling, len(generated))
+                if watched is not None:
+                    self._watch(watched, out, sampling, len(generated))
                 # 3. accept: commit the accepted drafts and the next token under the stop rules
                 new_tokens = [int(proposal.tokens[j]) for j in path] + [nxt]
                 for tok in new_tokens:
@@ -201,7 +201,7 @@ class SpeculativeDecoder:
             # 5. count the round, adapt K (or fall back to plain decoding)
             depth = self._record_round(stats, ctrl, proposal, len(path), len(new_tokens),
                                        ((t1 - t0) + (t4 - t3), t3 - t1, t4 - t0),
-                                       t1 - t0 if shadow is not None else 0.0)
+                                       t1 - t0 if watched is not None else 0.0)
             if (not done and time_budget_s is not None
                     and time.perf_counter() - t_start > time_budget_s):
                 stopper.reason, done = "time_budget", True

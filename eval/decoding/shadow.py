@@ -102,9 +102,7 @@ class Shadow:
                     break
                 self.accepted[i] += 1.0
             self.chains += 1 if seen else 0
-        self._pending = keep
-        if final:
-            self._pending = []
+        self._pending = keep  # empty when final: every chain was scored
 
     def alpha(self) -> list[float]:
         """Conditional acceptance per position, Laplace-smoothed, for the positions reached."""
@@ -114,10 +112,11 @@ class Shadow:
         """The chain length to draft from now on (0: keep decoding plainly)."""
         if not self.active or self.chains < self.min_chains:
             return 0
-        k, predicted = self.judge(self.alpha())
+        alpha = self.alpha()
+        k, predicted = self.judge(alpha)
         switched = k > 0 and predicted >= self.margin
         self.verdict = {"k": k, "predicted": round(predicted, 3), "chains": self.chains,
-                        "alpha": [round(a, 3) for a in self.alpha()], "switched": switched}
+                        "alpha": [round(a, 3) for a in alpha], "switched": switched}
         if switched or predicted < 1.0 or self.chains >= self.max_chains:
             self.active = False
         return k if switched else 0
