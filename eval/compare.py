@@ -86,9 +86,10 @@ def run(cfg: DictConfig, loaded: Any = None, command: str | None = None) -> dict
     loaded = session.open_target(first, loaded)  # target_path null: the first draft's target
     model = loaded.model
     records = session.prompt_records(cfg.prompts, loaded.tokenizer, cfg.limit)
-    made = {name: decode.make_proposer(dcfg, loaded) for name, dcfg in configs.items()}
-    decs = [decode.decoder_for(configs[name], model, proposer, k, records)
-            for name, (proposer, k, _, _) in made.items()]
+    # as decode.py: a record measured on another machine is re-timed here, and judged on the run
+    made = {name: decode.make_proposer(dcfg, loaded, records) for name, dcfg in configs.items()}
+    decs = [decode.decoder_for(configs[name], model, proposer, k, records, shadow)
+            for name, (proposer, k, _, shadow) in made.items()]
     results = session.paired_many(decs, model, records, session.Sampling.from_config(first),
                                   session.eos_ids(model), float(cfg.noise_tolerance))
     summaries = {name: decode.summarize(configs[name], res, proposer, dec, k, source)

@@ -116,9 +116,9 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
     if cfg.get("shadow", True) not in (True, False):
-        raise ValueError(f"shadow={cfg.get('shadow')!r}: allowed true (where re-timing chose "
-                         "plain decoding, shadow drafts measure the draft on these prompts) or "
-                         "false")
+        raise ValueError(f"shadow={cfg.get('shadow')!r}: allowed true (a re-timed draft is "
+                         "judged on these prompts: shadow chains beside plain steps, verified "
+                         "rounds while it drafts) or false")
     if (baseline_proposer(cfg.draft) is None and not str(cfg.draft).startswith(PKG_PREFIX)
             and not Path(str(cfg.draft)).expanduser().is_dir()):
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
@@ -203,7 +203,8 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
             # package or both (None: the package alone, or no package)
             "suffix_rounds": (dict(proposer.choices) if isinstance(proposer, SuffixProposer)
                               and proposer.inner is not None else None),
-            # shadow drafts beside plain steps: what they measured, whether a chain was started
+            # the draft judged on these prompts (shadow chains beside plain steps, verified
+            # rounds): what was measured, when drafting started or stopped
             "shadow": None if getattr(dec, "shadow", None) is None else dec.shadow.report(),
             "draft": None if plain else str(cfg.draft), "lossless": dec.lossless,
             "device": str(dec.target.device), "dtype": cfg.dtype,
@@ -216,8 +217,10 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
 
 class Drafting(NamedTuple):
     """What :func:`make_proposer` settles: the proposer, its initial K, where K came from, and
-    the shadow drafting of a run re-timed to plain decoding (:mod:`eval.decoding.shadow`; None:
-    none), which :func:`decoder_for` hands to the decoder."""
+    the judge of a draft re-timed to plain decoding or a chain (:mod:`eval.decoding.shadow`;
+    None: none), which :func:`decoder_for` hands to the decoder. Re-timed to plain decoding, a
+    hybrid starts with its package paused: suffix chains where they beat a plain step, shadow
+    chains of the package beside the plain steps."""
 
     proposer: Proposer
     k: int
@@ -245,10 +248,13 @@ def make_proposer(cfg: DictConfig, loaded: Any, records: list[dict] | None = Non
             proposer.compile()
         if not cfg.get("fused_draft", True) and getattr(proposer, "step", None) is not None:
             proposer.step = None  # the head's transformers modules
+        k, source = plan.k, plan.k_source
         if (cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1
                 and (plan.k > 0 or shadow is not None)):
             proposer = SuffixProposer(proposer, vocab)  # batches draft the package alone
-        return Drafting(proposer, plan.k, plan.k_source, shadow)
+            if k == 0 and proposer.pause(True):  # the package waits for the shadow's verdict
+                k, source = shadow.depth, source + "; suffix chains meanwhile"
+        return Drafting(proposer, k, source, shadow)
     if proposer.name == "plain":
         return Drafting(proposer, 0, "plain")
     return Drafting(proposer, *resolve_k(cfg.k, None))
@@ -313,11 +319,18 @@ def print_summary(summary: Mapping[str, Any]) -> None:
                   speedup, str(summary["lossless"]))
     console = Console()
     console.print(table)
-    verdict = (summary.get("shadow") or {}).get("verdict")
-    if verdict:
-        said = "drafting it from then on" if verdict["switched"] else "kept plain decoding"
-        console.print(f"shadow drafts: {verdict['chains']} chains, alpha {verdict['alpha']}: "
-                      f"chain K = {verdict['k']} predicted {verdict['predicted']:.2f}x, {said}")
+    judged = summary.get("shadow") or {}
+    for turn in judged.get("switches") or ():
+        said = ("started drafting it" if turn["to"] == "draft"
+                else "stopped drafting (suffix chains alone, or plain steps)")
+        console.print(f"judged on these prompts after {turn['chains']} shadow chains and "
+                      f"{turn['rounds']} verified rounds, alpha {turn['alpha']}: chain K = "
+                      f"{turn['k']} predicted {turn['predicted']:.2f}x, {said}")
+    verdict = judged.get("verdict")
+    if verdict and not verdict["switched"]:
+        console.print(f"last verdict: {verdict['chains']} shadow chains, {verdict['rounds']} "
+                      f"verified rounds, alpha {verdict['alpha']}: chain K = {verdict['k']} "
+                      f"predicted {verdict['predicted']:.2f}x, unchanged")
     if summary.get("noisy"):
         console.print(f"noisy: the plain runs of {summary.get('noisy_prompts')} prompts differ by "
                       f"more than {summary.get('noise_tolerance', 0.1):.0%}; the machine's speed "

@@ -56,7 +56,8 @@ def forward_costs(target: Target, widths: Sequence[int], repeats: int = 7,
         target.crop(n)
 
     widths = sorted({int(w) for w in widths})
-    forward(widths[-1])  # warm-up
+    for w in widths:  # warm-up: a packed linear's first call at a new row count builds its kernel
+        forward(w)
     return {w: _median_time(lambda w=w: forward(w), repeats, target.device) for w in widths}
 
 
@@ -92,6 +93,8 @@ def measure_costs(target: Target, proposer: Proposer, prompt_ids: Sequence[int],
 
     t_fwd = forward_costs(target, [k + 1 for k in set(ks) | {0}], repeats, first)
     t_verify = {w - 1: t for w, t in t_fwd.items()}
+    for m in sorted(set(tree_nodes)):  # warm-up, as for the widths
+        forward_tree(m)
     t_tree = {m: _median_time(lambda m=m: forward_tree(m), repeats, dev)
               for m in sorted(set(tree_nodes))}
     k_max = max(max(ks), 1)

@@ -20,7 +20,8 @@ The shape with the highest predicted speedup wins; when none is predicted at lea
 :data:`MARGIN` times as fast as plain decoding, the run decodes plainly (K = 0) and drafts shadow
 chains beside its plain steps (:mod:`eval.decoding.shadow`, :func:`shadow_for`): the draft's
 acceptance on the prompts at hand, with the costs timed here, may still predict a chain at
-:data:`MEASURED_MARGIN` or more, which is then drafted. ``retime=false`` keeps the record's choice.
+:data:`MEASURED_MARGIN` or more, which is then drafted. A chain it drafts is judged the same
+way on its verified rounds, and stops below 1.0x. ``retime=false`` keeps the record's choice.
 """
 from __future__ import annotations
 
@@ -158,12 +159,18 @@ def monotone(local: Mapping) -> dict:
     tokens never costs less, so a narrower forward timed slower than a wider one was slowed by the
     machine, not by its width (one stall among three repeats made a 1-token forward of the 1.5B
     450 ms against 286 ms for two, and predicted 1.92x from a plain step 1.5x too slow). The
-    plain step ``t_ar`` is the 1-token forward."""
-    t_verify, bound = {}, float("inf")
-    for k in sorted(local["t_verify"], reverse=True):
-        bound = min(bound, float(local["t_verify"][k]))
-        t_verify[k] = bound
-    return {**local, "t_verify": t_verify, "t_ar": t_verify.get(0, local["t_ar"])}
+    plain step ``t_ar`` is the 1-token forward; a tree's forward is bounded by every larger
+    tree's."""
+    def bounded(times: Mapping) -> dict:
+        out, bound = {}, float("inf")
+        for key in sorted(times, reverse=True):
+            bound = min(bound, float(times[key]))
+            out[key] = bound
+        return out
+
+    t_verify = bounded(local["t_verify"])
+    return {**local, "t_verify": t_verify, "t_ar": t_verify.get(0, local["t_ar"]),
+            "t_verify_tree": bounded(local.get("t_verify_tree") or {})}
 
 
 def shadow_judge(record: Mapping, local: Mapping, fill: bool = False) -> Judge:
@@ -183,19 +190,20 @@ def shadow_judge(record: Mapping, local: Mapping, fill: bool = False) -> Judge:
     return judge
 
 
-def shadow_for(record: Mapping, local: Mapping, shapes: list[Shape],
-               temperature: float) -> Shadow | None:
-    """Shadow drafting for a run that re-timing sent to plain decoding: greedy chains one
-    longer than the best predicted chain (scored position by position), one draft when
-    sampling; None where even a draft that is always accepted would not reach
-    :data:`MEASURED_MARGIN` here."""
+def shadow_for(record: Mapping, local: Mapping, shapes: list[Shape], temperature: float,
+               watching: bool = True) -> Shadow | None:
+    """The judge of the draft on the prompts at hand: for a run that re-timing sent to plain
+    decoding, shadow drafting (greedy chains one longer than the best predicted chain, scored
+    position by position; one draft when sampling); for one it sent to a chain (``watching``
+    False), the verdicts on its verified rounds, and shadow drafting after a stop. None where
+    even a draft that is always accepted would not reach :data:`MEASURED_MARGIN` here."""
     greedy = float(temperature) == 0
     chains = [s.k for s in shapes if s.nodes is None]
     depth = min(len(record.get("alpha") or ()), chains[0] + 1 if chains else 1) if greedy else 1
     judge = shadow_judge(record, local, fill=not greedy)
     if depth < 1 or judge([1.0] * depth)[1] < MEASURED_MARGIN:
         return None
-    return Shadow(depth, judge, MEASURED_MARGIN)
+    return Shadow(depth, judge, MEASURED_MARGIN, watching=watching)
 
 
 def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
@@ -203,7 +211,7 @@ def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
            ) -> tuple[Any, list[Shape], Shadow | None]:
     """``plan`` (a :class:`eval.draft.DraftSettings`) chosen again from ``record`` with this
     machine's costs, timed on ``prompt_ids``; the predicted shapes, best first; and, where the
-    plan is plain decoding, the shadow drafting that may start a chain later (None: none;
+    plan is plain decoding or a chain, the judge of the draft on these prompts (None: none;
     :func:`shadow_for`). Call it only where ``k`` and ``tree_size`` were left to the record;
     ``tree=chain`` / ``tree=tree`` limit the choice to chains / trees.
     """
@@ -239,6 +247,10 @@ def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
             source += f"; shadow drafts of {shadow.depth} judge the draft on these prompts"
         return replace(plan, k=0, tree=False, k_source=source), shapes, shadow
     if best.nodes is None:
-        return replace(plan, k=best.k, tree=False, k_source=source), shapes, None
+        shadow = (shadow_for(record, local, shapes, float(cfg.get("temperature") or 0.0),
+                             watching=False) if cfg.get("shadow", True) else None)
+        if shadow is not None:
+            source += "; judged on these prompts as it drafts"
+        return replace(plan, k=best.k, tree=False, k_source=source), shapes, shadow
     return (replace(plan, k=best.k, tree=True, tree_size=best.nodes, k_source=source), shapes,
             None)

@@ -163,13 +163,13 @@ class SpeculativeDecoder:
             remaining = max_new_tokens - len(generated)
             k = min(ctrl.next_k(), remaining - 1)
             ctx.budget = remaining - 1
-            watch = (self.shadow.wants(remaining - 1)
-                     if self.shadow is not None and ctrl.k == 0 else 0)
-            # 1. propose
+            # 1. propose (beside a plain step while the draft is off, perhaps a shadow chain)
             t0 = time.perf_counter()
             c0 = self.round_clock() if log else 0.0
             with self._phase("round.draft"):
                 proposal = self.proposer.propose(ctx, k) if k > 0 else Proposal.empty()
+                watch = (self.shadow.wants(remaining - 1) if self.shadow is not None
+                         and not len(proposal) and not self._drafting(ctrl) else 0)
                 watched = self.proposer.shadow_chain(ctx, watch) if watch else None
             t1 = time.perf_counter()
             c1 = self.round_clock() if log else 0.0
@@ -184,6 +184,8 @@ class SpeculativeDecoder:
                     self._watch(watched, out, sampling, len(generated))
                 # 3. accept: commit the accepted drafts and the next token under the stop rules
                 new_tokens = [int(proposal.tokens[j]) for j in path] + [nxt]
+                outcome = (self.proposer.outcome(proposal, path, new_tokens)
+                           if self.shadow is not None and len(proposal) else None)
                 for tok in new_tokens:
                     done = stopper.push(generated, tok)
                     if done:
@@ -206,7 +208,7 @@ class SpeculativeDecoder:
                     and time.perf_counter() - t_start > time_budget_s):
                 stopper.reason, done = "time_budget", True
             if self.shadow is not None:
-                self._switch(ctrl, generated, done)
+                self._switch(ctrl, generated, done, outcome)
             if log:
                 self.round_log.append(RoundTime(depth, len(proposal), len(path), len(new_tokens),
                                                 c1 - c0, c2 - c1, self.round_clock() - c0))
@@ -242,13 +244,27 @@ class SpeculativeDecoder:
             q = None if chain.q is None else chain.q[0]
             self.shadow.sampled(sampling.warp(out.logits[:1])[0], q, int(chain.tokens[0]))
 
-    def _switch(self, ctrl: KController, generated: list[int], done: bool) -> None:
-        """Score the shadow's finished chains (all of them when the request is ``done``); while
-        decoding plainly, when its judge says a chain pays, draft it from the next round on, in
-        this request and the later ones (``self.k``)."""
+    def _drafting(self, ctrl: KController) -> bool:
+        """Whether the trained draft drafts now (else: plain steps, or a hybrid's suffix chains
+        alone), as the shadow's judgement left it."""
+        return ctrl.k > 0 and not self.proposer.paused
+
+    def _switch(self, ctrl: KController, generated: list[int], done: bool,
+                outcome: tuple[int, int] | None) -> None:
+        """Judge the draft on this request's tokens (:mod:`eval.decoding.shadow`). While it is
+        off: score the shadow's finished chains (all of them when the request is ``done``) and,
+        when the judge says a chain pays, draft it from the next round on, in this request and the
+        later ones (``self.k``). While it drafts: count the round's ``outcome`` and, when the judge
+        says it no longer pays, pause it (a hybrid keeps its suffix chains) or decode plainly."""
         self.shadow.score(generated, final=done)
-        k = self.shadow.decide() if ctrl.k == 0 else 0
+        if self._drafting(ctrl):
+            stop = outcome is not None and not self.shadow.verified(*outcome)
+            if stop and not self.proposer.pause(True):  # a hybrid drafts suffix chains alone
+                ctrl.k = self.k = 0
+            return
+        k = self.shadow.decide()
         if k > 0:
+            self.proposer.pause(False)
             ctrl.k = self.k = k
             ctrl.k_max = max(ctrl.k_max, self.k_max or 2 * k)
 

@@ -90,6 +90,21 @@ class Proposer:
         drafts; :meth:`accept` then sees it rejected, as after any rejected round."""
         return self.propose(ctx, k)
 
+    # whether the trained draft is paused (:meth:`pause`)
+    paused = False
+
+    def pause(self, paused: bool) -> bool:
+        """Pause (or resume) the trained draft between rounds, where the proposer can still
+        draft without it; returns whether it can (a hybrid's suffix chains). Here it cannot: the
+        decoder decodes plainly instead (K = 0)."""
+        return False
+
+    def outcome(self, proposal: Proposal, path: list[int],
+                new_tokens: list[int]) -> tuple[int, int] | None:
+        """The round's chain of the trained draft: (drafts, accepted), None where it drafted no
+        chain this round. Called after verification, before :meth:`accept`."""
+        return (len(proposal), len(path)) if len(proposal) and proposal.is_chain else None
+
 
 class PlainProposer(Proposer):
     """K = 0: plain autoregressive decoding through the same loop."""

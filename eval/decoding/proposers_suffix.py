@@ -250,6 +250,23 @@ class SuffixProposer(Proposer):
         self._round = None
         return self.propose(ctx, k) if self.inner is None else self.inner.shadow_chain(ctx, k)
 
+    def pause(self, paused: bool) -> bool:
+        """While paused, rounds draft suffix chains alone (where a match pays); the trained
+        draft still follows every committed token, ready to resume."""
+        if self.inner is None:
+            return False
+        self.paused = paused
+        return True
+
+    def outcome(self, proposal: Proposal, path: list[int],
+                new_tokens: list[int]) -> tuple[int, int] | None:
+        """The trained draft's own chain this round, beside or without a suffix chain."""
+        inner = None if self._round is None else self._round["inner"]
+        if inner is None or not len(inner) or not inner.is_chain:
+            return None
+        return len(inner), _accepted_along(inner.tokens.tolist(), inner.parents.tolist(),
+                                           new_tokens)
+
     # ----- the choice --------------------------------------------------------------------------
     def _verify_cost(self, nodes: int) -> float:
         """Seconds to verify ``nodes`` fed tokens: a least-squares line through the measured
@@ -272,11 +289,13 @@ class SuffixProposer(Proposer):
         return sum(a ** j for j in range(1, length + 1))
 
     def _choose(self, m: int, available: int) -> tuple[bool, int]:
-        """Whether the inner draft drafts, and the suffix chain's length (0: none)."""
-        if self.inner is None:
+        """Whether the inner draft drafts, and the suffix chain's length (0: none). Suffix
+        chains alone (no inner draft, or paused) are drafted only where they beat a plain
+        step, whose cost is the fit's at one fed token."""
+        if self.inner is None or self.paused:
             if not available:
                 return False, 0
-            return False, max(range(1, available + 1), key=lambda n: (
+            return False, max(range(available + 1), key=lambda n: (
                 (1 + self._suffix_tokens(m, n)) / self._verify_cost(n + 1), -n))
         if not available:
             return True, 0

@@ -96,6 +96,10 @@ def test_a_stalled_narrow_forward_is_bounded_by_the_wider_ones():
     assert [fixed["t_verify"][k] for k in (1, 2, 3)] == [local["t_verify"][k] for k in (1, 2, 3)]
     # the twin: trusted as timed, the stall makes every shape look 1.5x faster than it is
     assert predict(_record(), local)[0].speedup > 1.4 * predict(_record(), fixed)[0].speedup
+    # a tree's forward is bounded by the larger trees' (a stalled 8-node tree no longer loses to
+    # the 16-node one)
+    local["t_verify_tree"][8] = 0.030
+    assert monotone(local)["t_verify_tree"] == {8: pytest.approx(0.0116), 16: pytest.approx(0.0116)}
 
 
 def test_measured_here_needs_the_same_machine_and_dtype():
@@ -138,8 +142,9 @@ def test_decode_retimes_a_foreign_record_and_stays_lossless(decode_setup, tmp_pa
     # a draft that the record says is never accepted: plain decoding, whatever the timings
     update_package_json(pkg, "speculation.json", {**rec, "alpha": [0.0, 0.0, 0.0]})
     summary = _decode(decode_setup, pkg, "retime=true")
-    assert summary["k"] == 0 and "plain decoding" in summary["k_source"]
-    assert summary["matches_baseline"] == 1.0
+    # (the package waits for its shadow drafts' verdict; suffix chains are drafted meanwhile)
+    assert "plain decoding" in summary["k_source"] and summary["matches_baseline"] == 1.0
+    assert summary["k"] == 0 or "suffix chains meanwhile" in summary["k_source"]
     with pytest.raises(ValueError, match="retime="):
         _decode(decode_setup, pkg, "retime=maybe")
     assert json.loads((pkg / "speculation.json").read_text())["alpha"] == [0.0, 0.0, 0.0]
