@@ -25,8 +25,9 @@ drafts before it were accepted, accepted when it was; at T > 0 the rejection-sam
 own outcome, whose expectation is the shadow's ``sum min(p, q)``), and every ``recheck`` rounds
 after ``min_rounds`` the judge re-times them: predicted below 1.0, the draft stops and the shadow
 watches again (a hybrid keeps drafting its suffix chains, :meth:`Proposer.pause`). A record's
-acceptance comes from its own prompts (the Qwen2.5-Coder release on MT-bench: 1.30x predicted
-from ShareGPT's, 1.07x decoded); the run's own rounds say what it is on these.
+acceptance comes from its own prompts (the Qwen2.5-Coder release's chain on MT-bench: 1.30x
+predicted from ShareGPT's, 1.07x decoded); the run's own rounds say what it is on these (652
+rounds of that chain: 1.14x predicted, 1.15x decoded; bench/judge/).
 """
 from __future__ import annotations
 
