@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 from conftest import draft_package
 
 from draftsmith.eval import CONF_DIR, compare
+from draftsmith.heads.package import update_package_json
+from tests.eval.test_retime import _local, _record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +53,21 @@ def test_every_draft_is_paired_with_the_same_plain_runs(decode_setup, tmp_path):
     assert "| lm |" in md and "| eagle |" in md and "python eval/compare.py" in md
     assert result["environment"]["hardware"]["cpu_count"] >= 1 and "cores" in md
     assert "| lm |" in proc.stdout
+
+
+def test_a_foreign_record_is_retimed_and_judged_as_decode_py_does(decode_setup, tmp_path,
+                                                                   monkeypatch):
+    src, _ = draft_package(decode_setup, "eagle")
+    pkg = tmp_path / "eagle"
+    shutil.copytree(src, pkg)
+    update_package_json(pkg, "speculation.json", {**_record(dtype="float32"), "tree": None,
+                                                  "alpha": [0.05, 0.05, 0.05]})
+    monkeypatch.setattr("draftsmith.eval.kstar.measure_costs",
+                        lambda *a, **kw: _local(0.0001, t_draft=0.0002))
+    s = compare.run(_cfg(decode_setup, f"drafts={{foreign: {{draft: {pkg}}}}}"))["summaries"]
+    # re-timed to plain decoding on the first prompt, the package judged by shadow chains
+    assert s["foreign"]["k_source"].startswith("re-timed here: ")
+    assert s["foreign"]["shadow"] is not None and s["foreign"]["matches_baseline"] == 1.0
 
 
 @pytest.mark.parametrize(("drafts", "says"), [
