@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,7 @@ import pytest
 from conftest import draft_package
 
 from draftsmith.eval import CONF_DIR, compare
-from draftsmith.heads.package import update_package_json
-from tests.eval.test_retime import _local, _record
+from tests.eval.test_shadow import foreign_eagle
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,13 +55,7 @@ def test_every_draft_is_paired_with_the_same_plain_runs(decode_setup, tmp_path):
 
 def test_a_foreign_record_is_retimed_and_judged_as_decode_py_does(decode_setup, tmp_path,
                                                                    monkeypatch):
-    src, _ = draft_package(decode_setup, "eagle")
-    pkg = tmp_path / "eagle"
-    shutil.copytree(src, pkg)
-    update_package_json(pkg, "speculation.json", {**_record(dtype="float32"), "tree": None,
-                                                  "alpha": [0.05, 0.05, 0.05]})
-    monkeypatch.setattr("draftsmith.eval.kstar.measure_costs",
-                        lambda *a, **kw: _local(0.0001, t_draft=0.0002))
+    pkg = foreign_eagle(decode_setup, tmp_path, monkeypatch)
     s = compare.run(_cfg(decode_setup, f"drafts={{foreign: {{draft: {pkg}}}}}"))["summaries"]
     # re-timed to plain decoding on the first prompt, the package judged by shadow chains
     assert s["foreign"]["k_source"].startswith("re-timed here: ")

@@ -259,17 +259,23 @@ def test_retiming_builds_a_shadow_only_where_a_draft_could_pay():
     assert shadow_for(rec, _local(0.008, t_draft=0.002), shapes, temperature=0.0) is None
 
 
-def test_decode_with_a_foreign_record_watches_then_stays_lossless(decode_setup, tmp_path,
-                                                                   monkeypatch):
+def foreign_eagle(decode_setup, tmp_path, monkeypatch):
+    """An EAGLE package whose record was measured elsewhere with low alphas, on a machine (its
+    costs patched in) where a draft pays if accepted: re-timing predicts plain decoding from the
+    record, and the shadow watches."""
     src, _ = draft_package(decode_setup, "eagle")
     pkg = tmp_path / "eagle"
     shutil.copytree(src, pkg)
     update_package_json(pkg, "speculation.json", {**_record(dtype="float32"), "tree": None,
                                                   "alpha": [0.05, 0.05, 0.05]})
-    # the costs of a machine where a draft pays if accepted (re-timing predicts plain decoding
-    # from the record's low alphas, the shadow watches)
     monkeypatch.setattr("draftsmith.eval.kstar.measure_costs",
                         lambda *a, **kw: _local(0.0001, t_draft=0.0002))
+    return pkg
+
+
+def test_decode_with_a_foreign_record_watches_then_stays_lossless(decode_setup, tmp_path,
+                                                                   monkeypatch):
+    pkg = foreign_eagle(decode_setup, tmp_path, monkeypatch)
     run = ["draft=" + str(pkg), f"target_path={decode_setup['target']}",
            f"prompts={decode_setup['questions']}", "max_new_tokens=12", "temperature=0",
            "limit=1"]
