@@ -15,27 +15,47 @@ import torch
 CANDIDATES = ("float32", "bfloat16")
 
 
+PROBE = 256  # every dtype is first timed on at most this many rows and columns of the shape
+MAX_CALL_S = 0.5  # a dtype whose whole product the probe projects past this keeps the probe's rate
+
+
+def _seconds(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int) -> float:
+    """Median seconds of an (m, k) x (k, n) product over ``repeats`` calls after one warm-up."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    times = []
+    for i in range(repeats + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 @cache
 def matmul_rates(device: str = "cpu", m: int = 1024, k: int = 576, n: int = 8192,
                  repeats: int = 5) -> dict[str, float]:
     """GFLOP/s of an (m, k) x (k, n) matmul per candidate dtype on ``device`` (median of
-    ``repeats`` after one warm-up). The default shape is one LM-head chunk of a training step."""
+    ``repeats`` after one warm-up). The default shape is one LM-head chunk of a training step.
+
+    Each dtype is probed on a ``PROBE`` x ``PROBE`` corner of the output first; one whose whole
+    product the probe projects past ``MAX_CALL_S`` keeps the probe's rate. Without bf16
+    instructions bf16 falls back to a kernel that ran at 0.4 GFLOP/s on a 2-core Zen 3 (fp32
+    about 125): the default shape took 24 s a call there, and timing it six times cost every
+    ``dtype=auto`` process two and a half minutes. (The probe keeps whole rows' worth of columns
+    small rather than taking few rows: MKL's fp32 GEMM on 8 rows ran at 5 GFLOP/s there.)"""
     rates = {}
     for name in CANDIDATES:
         dtype = getattr(torch, name)
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        times = []
-        for i in range(repeats + 1):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            a @ b
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t0)
-        rates[name] = 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9
+        rows, cols = min(m, PROBE), min(n, PROBE)
+        seconds = _seconds(rows, k, cols, dtype, device, 3)
+        if (rows, cols) != (m, n) and seconds * (m / rows) * (n / cols) <= MAX_CALL_S:
+            rows, cols, seconds = m, n, _seconds(m, k, n, dtype, device, repeats)
+        rates[name] = 2 * rows * k * cols / seconds / 1e9
     return rates
 
 

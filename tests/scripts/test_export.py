@@ -90,27 +90,30 @@ def test_gguf_export_reads_back_in_transformers_gguf_loader(lm_package, tmp_path
     same file written without the permutation reads back with other q/k weights."""
     import gguf
 
+    from draftsmith.data.gguf_read import one_parse_per_file
     from draftsmith.data.packaged import packaged_target, target_gguf
     from draftsmith.scripts import export_gguf
     target, draft, pkg = lm_package  # the tiny target has SmolLM2's tokenizer
-    source = target_gguf(packaged_target("smollm2_135m").sha256)
-    out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
-    file = out / export_gguf.GGUF_FILE
-    fields = gguf.GGUFReader(str(file)).fields
-    want = gguf.GGUFReader(str(source)).fields
-    assert fields["general.architecture"].contents() == "llama"
-    assert fields["llama.block_count"].contents() == draft.config.num_hidden_layers
-    assert fields["tokenizer.ggml.tokens"].contents() == want["tokenizer.ggml.tokens"].contents()
-    back = import_export(out, target=target).module
-    ids = torch.randint(3, target.model.config.vocab_size, (1, 9))
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, draft(ids).logits, rtol=0, atol=0)
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(back.state_dict()[q], draft.state_dict()[q])
-    monkeypatch.setattr(export_gguf, "_permute_rope", lambda w, n: w)
-    export_gguf.write_gguf(draft, tmp_path / "unpermuted.gguf", torch.float32, None, "twin")
-    twin = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="unpermuted.gguf")
-    assert not torch.equal(twin.state_dict()[q], draft.state_dict()[q])
+    with one_parse_per_file():  # each file's 49,152-word vocabulary parsed once, not per reader
+        source = target_gguf(packaged_target("smollm2_135m").sha256)
+        out = export_package(pkg, "gguf", tmp_path / "gguf", gguf_vocab_from=source)
+        file = out / export_gguf.GGUF_FILE
+        fields = gguf.GGUFReader(str(file)).fields
+        want = gguf.GGUFReader(str(source)).fields
+        assert fields["general.architecture"].contents() == "llama"
+        assert fields["llama.block_count"].contents() == draft.config.num_hidden_layers
+        tokens = "tokenizer.ggml.tokens"
+        assert fields[tokens].contents() == want[tokens].contents()
+        back = import_export(out, target=target).module
+        ids = torch.randint(3, target.model.config.vocab_size, (1, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(back(ids).logits, draft(ids).logits, rtol=0, atol=0)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(back.state_dict()[q], draft.state_dict()[q])
+        monkeypatch.setattr(export_gguf, "_permute_rope", lambda w, n: w)
+        export_gguf.write_gguf(draft, tmp_path / "unpermuted.gguf", torch.float32, None, "twin")
+        twin = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="unpermuted.gguf")
+        assert not torch.equal(twin.state_dict()[q], draft.state_dict()[q])
 
 
 def test_gguf_export_needs_the_target_gguf_for_its_tokenizer(lm_package, tmp_path):
