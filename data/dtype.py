@@ -46,8 +46,8 @@ def matmul_rates(device: str = "cpu", m: int = 1024, k: int = 576, n: int = 8192
     product the probe projects past ``MAX_CALL_S`` keeps the probe's rate. Without bf16
     instructions bf16 falls back to a kernel that ran at 0.4 GFLOP/s on a 2-core Zen 3 (fp32
     about 125): the default shape took 24 s a call there, and timing it six times cost every
-    ``dtype=auto`` process two and a half minutes. (The probe keeps whole rows' worth of columns
-    small rather than taking few rows: MKL's fp32 GEMM on 8 rows ran at 5 GFLOP/s there.)"""
+    ``dtype=auto`` process two and a half minutes. (The probe cuts rows and columns alike rather
+    than keeping a few whole rows: MKL's fp32 GEMM on 8 rows ran at 5 GFLOP/s there.)"""
     rates = {}
     for name in CANDIDATES:
         dtype = getattr(torch, name)
