@@ -18,8 +18,6 @@ from omegaconf import OmegaConf
 from draftsmith.scripts import engines
 
 REPO = Path(__file__).resolve().parents[2]
-
-
 RELEASE = REPO / "releases" / "eagle3-smollm2-135m"
 DFLASH = REPO / "releases" / "dflash-smollm2-135m-preview"
 

@@ -65,8 +65,8 @@ def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_pat
     ``train.dist_timeout_s`` (20 s here: it also bounds start-up, slow on a loaded machine),
     then fails. Relaunching both machines resumes from the last checkpoint: checked after the
     kill only, since a frozen machine leaves the same checkpoints behind."""
-    run = tmp_path / "run"
-    common = TINY + ["draft=medusa", "train.max_steps=12", "train.eval_every=12",
+    run, steps = tmp_path / "run", 12
+    common = TINY + ["draft=medusa", f"train.max_steps={steps}", f"train.eval_every={steps}",
                      "train.save_every=3", "train.dist_timeout_s=20", "seed=2", "launcher=ddp",
                      "train.micro_batch_size=2"]
     port = {"killed": 29671, "frozen": 29675}[how]  # the two cases may run at once (xdist)
@@ -96,10 +96,10 @@ def test_a_lost_machine_fails_the_other_and_a_relaunch_resumes(how, sig, tmp_pat
 
     ckpt, logged = latest_checkpoint(run), log_rows(run)
     assert ckpt is not None
-    assert int(ckpt.name.removeprefix("step-")) < 12, "the run finished before the loss"
+    assert int(ckpt.name.removeprefix("step-")) < steps, "the run finished before the loss"
     wait_machines(launch_machines("conf/accelerate/ddp.yaml", run, common, port=port + 1), run)
     assert_resumed(Path(f"{run}.machine0.log").read_text(), log_rows(run)[len(logged):], ckpt,
-                   last_step=12)
+                   last_step=steps)
 
 
 def test_the_data_parallel_feature_cache_equals_the_one_process_cache(tmp_path):
