@@ -7,7 +7,9 @@
 speculators / medusa layouts); ``draft=none`` decodes plainly, ``draft=lookup`` uses prompt
 lookup, ``draft=suffix`` the suffix proposer (:mod:`eval.decoding.proposers_suffix`); with a
 package, ``suffix=true`` (the default) drafts each round from the package, the suffix match or
-both, whichever the measured rates favour. ``k=null`` starts from the K* that
+both, whichever the measured rates favour (``batch_size > 1``: each row's chain from the package
+or its suffix match; batched trees from the package alone; ``draft=lookup`` at batch size one
+only, ``draft=suffix`` being its batched alternative). ``k=null`` starts from the K* that
 ``eval/measure.py`` wrote into the package's ``speculation.json`` (else 4); the summary's
 ``k_source`` says which. Plain decoding of the same
 prompts runs in the same process (``baseline=true``), interleaved per prompt (plain,
@@ -40,6 +42,7 @@ from draftsmith.eval.checks import (
     integer,
     number,
 )
+from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
 from draftsmith.eval.decoding.kernels import check_kernels, kernels_in
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
 from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
@@ -104,6 +107,9 @@ def validate(cfg: DictConfig) -> None:
     if batch > 1 and cfg.get("time_budget_s") is not None:
         raise ValueError("time_budget_s is per request: batch_size > 1 does not take it")
     check_layout(str(cfg.get("batch_layout", "padded")), "batch_layout")
+    base = baseline_proposer(cfg.draft)
+    if batch > 1 and base is not None:
+        batch_drafter_for(base)  # prompt lookup has none: its error names draft=suffix
     if cfg.get("compile_draft", False) not in (True, False):
         raise ValueError(f"compile_draft={cfg.get('compile_draft')!r}: allowed false or true "
                          "(torch.compile the EAGLE head's step)")
@@ -119,7 +125,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"shadow={cfg.get('shadow')!r}: allowed true (a re-timed draft is "
                          "judged on these prompts: shadow chains beside plain steps, verified "
                          "rounds while it drafts) or false")
-    if (baseline_proposer(cfg.draft) is None and not str(cfg.draft).startswith(PKG_PREFIX)
+    if (base is None and not str(cfg.draft).startswith(PKG_PREFIX)
             and not Path(str(cfg.draft)).expanduser().is_dir()):
         raise ValueError(f"draft={cfg.draft}: no such folder, so not a draft package; pass a "
                          "draft package or export folder, a model sharing the target's "
@@ -200,7 +206,8 @@ def summarize(cfg: Mapping[str, Any], res: Any, proposer: Proposer, dec: Any, k:
             "draft_vocab": getattr(proposer, "draft_vocab", None),
             "draft_kind": proposer.name,
             # beside the suffix proposer: the rounds drafted from the suffix match, the
-            # package or both (None: the package alone, or no package)
+            # package or both (batched: one per row and round; None: the package alone, or no
+            # package)
             "suffix_rounds": (dict(proposer.choices) if isinstance(proposer, SuffixProposer)
                               and proposer.inner is not None else None),
             # the draft judged on these prompts (shadow chains beside plain steps, verified
@@ -249,9 +256,11 @@ def make_proposer(cfg: DictConfig, loaded: Any, records: list[dict] | None = Non
         if not cfg.get("fused_draft", True) and getattr(proposer, "step", None) is not None:
             proposer.step = None  # the head's transformers modules
         k, source = plan.k, plan.k_source
-        if (cfg.get("suffix", True) and int(cfg.get("batch_size") or 1) == 1
-                and (plan.k > 0 or shadow is not None)):
-            proposer = SuffixProposer(proposer, vocab)  # batches draft the package alone
+        # batched trees draft the package's tree alone (batched rows draft chains of one kind
+        # each: the suffix match's or the package's, eval/decoding/batch_suffix.py)
+        if (cfg.get("suffix", True) and (plan.k > 0 or shadow is not None)
+                and (int(cfg.get("batch_size") or 1) == 1 or not proposer.tree)):
+            proposer = SuffixProposer(proposer, vocab)
             if k == 0 and proposer.pause(True):  # the package waits for the shadow's verdict
                 k, source = shadow.depth, source + "; suffix chains meanwhile"
         return Drafting(proposer, k, source, shadow)

@@ -38,12 +38,13 @@ class Hostile:
         self.live = [self.live[i] for i in idx.tolist()]
         self.inner.select(idx)
 
-    def propose(self, k: int, sampling: Any, generator: Any) -> tuple[torch.Tensor, Any]:
-        drafts, q = self.inner.propose(k, sampling, generator)
+    def propose_chains(self, ks: torch.Tensor, sampling: Any, generator: Any,
+                       budgets: Any = None) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        drafts, q, ks = self.inner.propose_chains(ks, sampling, generator, budgets)
         at = [i for i, r in enumerate(self.live) if r in self.rows]
         drafts = drafts.clone()
         drafts[at] = (drafts[at] + 1) % self.vocab
-        return drafts, q
+        return drafts, q, ks
 
 
 def bench_mixed(cfg: DictConfig, model: Any, proposers: dict, records: list[dict],

@@ -1,10 +1,12 @@
 """Batched speculative decoding: the rows of a batch share every target verification.
 
-Each step drafts a chain for every row at once (the draft LM, or the EAGLE head), feeds the target
-one ``(B, K + 1)`` block (each row's pending token and its drafts), accepts a prefix per row with
-the same lossless rule as batch size one (:func:`eval.decoding.verify.verify_chain_batch`, one
-accepted length per row), and commits each row under its own stop rules; rows that finish leave the
-batch. ``K = 0`` is plain batched decoding through the same loop.
+Each step drafts a chain for every row at once (the draft LM, or the EAGLE head; or each row's
+suffix match, alone or instead of the trained draft's chain where its measured rates favour it:
+:mod:`eval.decoding.batch_suffix`), feeds the target one ``(B, K + 1)`` block (each row's pending
+token and its drafts), accepts a prefix per row with the same lossless rule as batch size one
+(:func:`eval.decoding.verify.verify_chain_batch`, one accepted length per row), and commits each
+row under its own stop rules; rows that finish leave the batch. ``K = 0`` is plain batched
+decoding through the same loop.
 
 An EAGLE head with ``tree=True`` drafts an EAGLE-2 dynamic tree per row instead (each depth of
 every row's tree in one ``(B, topk)`` head forward); the target verifies each row's pending
@@ -114,8 +116,9 @@ class BatchDecoder:
     Args:
         target: the target causal LM.
         proposer: the draft (a chain :class:`~eval.decoding.proposers.DraftLMProposer`, an
-            :class:`~eval.decoding.proposers_eagle.EagleProposer`, chain or tree), or a plain
-            proposer.
+            :class:`~eval.decoding.proposers_eagle.EagleProposer`, chain or tree, a
+            :class:`~eval.decoding.proposers_suffix.SuffixProposer` alone or around a chain of
+            either), or a plain proposer.
         k: draft length per step, the tree's depth for a tree (0 = plain batched decoding).
         fallback: per-row fallback to plain decoding (each row's own K controller).
         layout: the target's cache layout (:data:`eval.decoding.slots.LAYOUTS`): ``packed`` feeds
@@ -202,10 +205,10 @@ class BatchDecoder:
         rows, pending = self._leave(rows, done, first, stats, t_start)
         while rows:
             # 1.-2. propose (each row its own K, 0 = fallen back) and verify in one block
-            ks = torch.tensor([min(ctrls[r].next_k(), max_new_tokens - len(generated[r]) - 1)
-                               for r in rows])
-            step = self._tree_step if self.tree else self._chain_step
-            new, nodes, depths, nxt, t_draft, t_verify = step(ks, pending, sampling, generator)
+            budgets = [max_new_tokens - len(generated[r]) - 1 for r in rows]
+            ks = torch.tensor([min(ctrls[r].next_k(), b) for r, b in zip(rows, budgets)])
+            new, nodes, depths, nxt, t_draft, t_verify = self._step(ks, budgets, pending,
+                                                                    sampling, generator)
             # 3. commit under each row's stop rules; 4. record; 5. rows that finished leave
             done = []
             for i, r in enumerate(rows):
@@ -223,26 +226,37 @@ class BatchDecoder:
                 st.verify_time_s += t_verify
                 if depth:
                     ctrls[r].record(depth, nodes[i], n, len(new[i]), t_draft, t_verify)
-                elif int(ks.max()) == 0:  # a plain step of the batch (padding costs the same)
+                elif max(depths) == 0:  # a plain step of the batch (padding costs the same)
                     ctrls[r].record_plain(t_draft + t_verify)
             rows, pending = self._leave(rows, done, nxt, stats, t_start)
         return [DecodeResult(generated[i], self._final(stats[i], stoppers[i], generated[i]))
                 for i in range(b)]
 
+    def _step(self, ks: Tensor, budgets: list[int], pending: Tensor, sampling: Sampling,
+              generator: torch.Generator | None
+              ) -> tuple[list[list[int]], list[int], list[int], Tensor, float, float]:
+        """One step of trees (:meth:`_tree_step`) or chains (:meth:`_chain_step`)."""
+        if self.tree:
+            return self._tree_step(ks, pending, sampling, generator)
+        return self._chain_step(ks, pending, sampling, generator, budgets)
+
     def _chain_step(self, ks: Tensor, pending: Tensor, sampling: Sampling,
-                    generator: torch.Generator | None
+                    generator: torch.Generator | None, budgets: list[int]
                     ) -> tuple[list[list[int]], list[int], list[int], Tensor, float, float]:
-        """One step of chains: the batch drafts its longest K, each row's block is its pending
-        token and its ``ks[b]`` drafts (padding after). Returns each row's new tokens (accepted
-        drafts, then the next token), its drafted nodes and their depth, the next tokens
-        ``(B,)`` and the step's draft and verify seconds."""
+        """One step of chains: each row drafts up to ``ks[b]`` (a model drafts the longest K
+        for the batch; a suffix row drafts what its match holds, up to the tokens ``budgets[b]``
+        it may still add, maybe none; ``ks[b] = 0``: none), and its
+        block is its pending token and the drafts it really has (padding after). Returns each
+        row's new tokens (accepted drafts, then the next token), its drafted nodes and their
+        depth (what it really drafted), the next tokens ``(B,)`` and the step's draft and
+        verify seconds."""
         dev = self.target.device
-        k = int(ks.max())
         t0 = time.perf_counter()
-        if k > 0:
-            drafts, q = self.drafter.propose(k, sampling, generator)
+        if int(ks.max()) > 0:
+            drafts, q, ks = self.drafter.propose_chains(ks, sampling, generator, budgets)
         else:
             drafts, q = torch.zeros(len(ks), 0, dtype=torch.long, device=dev), None
+        k = drafts.shape[1]
         t1 = time.perf_counter()
         start = self.target.slots.width
         block = torch.cat([pending.view(-1, 1).to(dev), drafts.to(dev)], dim=1)
@@ -352,7 +366,8 @@ class BatchDecoder:
     def _verify(self, logits: Tensor, q: Tensor | None, drafts: Tensor, ks: Tensor,
                 sampling: Sampling, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
         """Accepted drafts per row (at most ``ks[b]``) and the next token, as
-        :func:`~eval.decoding.verify.verify_chain_batch` (greedy: argmax matching)."""
+        :func:`~eval.decoding.verify.verify_chain_batch` (greedy: argmax matching; ``q`` None:
+        the drafts are point masses)."""
         k = drafts.shape[1]
         if sampling.greedy:
             best = logits.argmax(-1)  # (B, K+1)
@@ -360,6 +375,6 @@ class BatchDecoder:
             n = ((drafts == best[:, :k]) & real).long().cumprod(-1).sum(-1)
             return n, best[torch.arange(best.shape[0], device=best.device), n]
         p = sampling.warp(logits)
-        if q is None:
-            q = torch.zeros(p.shape[0], k, p.shape[-1], device=p.device)
+        if q is None:  # every draft a point mass (suffix chains; or none drafted)
+            q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p)
         return verify_chain_batch(p, q.to(p.device), drafts, generator, lengths=ks)

@@ -5,7 +5,8 @@ Each is built from a batch-one proposer (its weights and draft vocabulary) and k
 :class:`~eval.decoding.slots.SlotCache` with each row's committed tokens; drafted slots are
 dropped after every verification, and what each row committed is fed at its next proposal.
 :func:`batch_drafter_for` finds the drafter of a proposer's family (``DraftFamily.batch_drafter``;
-the proposers do not know these).
+the proposers do not know these), and for a suffix proposer the batched suffix chains
+(:mod:`eval.decoding.batch_suffix`) around its inner proposer's drafter.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.data.attention import native_gqa
+from draftsmith.eval.decoding.batch_suffix import BatchSuffix
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
 from draftsmith.eval.decoding.proposers import (
     DraftLMProposer,
@@ -23,6 +25,7 @@ from draftsmith.eval.decoding.proposers import (
     fit_vocab,
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.slots import SlotCache, last_valid, pad_rows
 from draftsmith.eval.decoding.target_model import cache_kwarg
 from draftsmith.eval.decoding.tree import DynamicTree
@@ -34,8 +37,9 @@ class BatchDrafter(ABC):
     """A batched chain drafter built from a batch-one proposer (its weights and draft
     vocabulary); subclasses hold the per-row state.
 
-    ``start`` once per batch, ``propose`` a chain of ``k`` per row, ``commit`` the accepted
-    lengths, ``select`` the rows that stay.
+    ``start`` once per batch, ``propose_chains`` a chain of up to ``ks[b]`` per row (``propose``:
+    ``k`` for every row), ``commit`` the accepted lengths, ``select`` the rows that stay.
+    (:class:`~eval.decoding.batch_suffix.BatchSuffix` keeps the same calls.)
     """
 
     def __init__(self, proposer: Proposer) -> None:
@@ -65,6 +69,17 @@ class BatchDrafter(ABC):
             if i < k - 1:
                 logits = self._next(x)
         return torch.stack(drafts, 1), None if sampling.greedy else torch.stack(qs, 1)
+
+    def propose_chains(self, ks: Tensor, sampling: Sampling, generator: torch.Generator | None,
+                       budgets: list[int] | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Chains of up to ``ks[b]`` drafts per row (0: none): drafts ``(B, K)``, their ``q``
+        ``(B, K, V)`` (None: point masses, greedy or suffix tokens) and the drafts each row
+        really has ``(B,)`` (the rest of its row is padding). A model drafts ``K = max(ks)``
+        for every row and each row keeps its first ``ks[b]``; ``budgets`` (the tokens each row
+        may still add) matter to suffix chains only
+        (:meth:`~eval.decoding.batch_suffix.BatchSuffix.propose_chains`)."""
+        drafts, q = self.propose(int(ks.max()), sampling, generator)
+        return drafts, q, ks
 
     @abstractmethod
     def _first(self) -> Tensor:
@@ -112,16 +127,20 @@ class BatchDraftLM(BatchDrafter):
     def _next(self, x: Tensor) -> Tensor:
         return self._feed(x.view(-1, 1), self._one(x))
 
-    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
-        """Row ``b`` accepted ``n[b]`` of its ``k`` drafts, then ``nxt[b]``."""
-        if k == 0:
-            for b, miss in enumerate(self.missing):
-                miss.append(int(nxt[b]))
-            return
-        fed = n.clamp_max(k - 1)  # drafts 1..k-1 were fed while drafting
-        self.slots.keep(self.draft_start, fed)
-        for b in range(len(self.missing)):
-            self.missing[b] = drafts[b, int(fed[b]):int(n[b])].tolist() + [int(nxt[b])]
+    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor,
+               own: Tensor | None = None) -> None:
+        """Row ``b`` accepted the first ``n[b]`` of the verified ``drafts[b]``, then ``nxt[b]``;
+        this drafter drafted ``k`` per row (0: it did not run). ``own (B,)`` bool: the rows whose
+        verified drafts were its own (None: all); only those keep the drafted slots of their
+        accepted drafts, the others (a hybrid's suffix rows) keep none and feed every accepted
+        draft at the next proposal."""
+        fed = n.clamp_max(max(k - 1, 0))  # drafts 1..k-1 were fed while drafting
+        if own is not None:
+            fed = fed * own.to(fed.device)
+        if k > 0:
+            self.slots.keep(self.draft_start, fed)
+        for b, miss in enumerate(self.missing):  # emptied by the proposal that drafted
+            miss += drafts[b, int(fed[b]):int(n[b])].tolist() + [int(nxt[b])]
 
     def select(self, rows: Tensor) -> None:
         self.slots.select(rows)
@@ -177,8 +196,11 @@ class BatchEagle(BatchDrafter):
     def _logits(self) -> Tensor:
         return self.proposer._logits(self._last.contiguous())[:, -1]
 
-    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor) -> None:
-        """``features (B, k + 1, kH)``: the target's features of the verified block."""
+    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor,
+               own: Tensor | None = None) -> None:
+        """As :meth:`BatchDraftLM.commit`; ``features (B, K + 1, kH)``: the target's features of
+        the verified block. Drafted slots are never kept, so ``own`` changes nothing: every row
+        feeds the verified drafts it accepted (its own or a hybrid's suffix tokens)."""
         self.commit_rows(k > 0, [list(range(int(m) + 1)) for m in n],
                          [drafts[b, :int(m)].tolist() + [int(nxt[b])] for b, m in enumerate(n)],
                          features)
@@ -261,22 +283,33 @@ def family_of(proposer: Proposer) -> DraftFamily | None:
     return None
 
 
-def batch_drafter_for(proposer: Proposer) -> BatchDrafter | None:
+def batch_drafter_for(proposer: Proposer) -> BatchDrafter | BatchSuffix | None:
     """The batched drafter that runs ``proposer``'s draft for every row (None: plain decoding):
     the one its family names (``DraftFamily.batch_drafter``), trees only where the family drafts
-    them in batches (``DraftFamily.batched_tree``).
+    them in batches (``DraftFamily.batched_tree``); for a suffix proposer, the batched suffix
+    chains (:class:`~eval.decoding.batch_suffix.BatchSuffix`), alone or beside the batched
+    drafter of its inner proposer's family (chains only).
 
     Raises:
-        ValueError: no batched drafter runs this proposer, or not its trees.
+        ValueError: no batched drafter runs this proposer (prompt lookup, say: the message
+            names ``draft=suffix``, its batched alternative), or not its trees.
     """
     if isinstance(proposer, PlainProposer):
         return None
+    if isinstance(proposer, SuffixProposer):
+        if proposer.tree:
+            raise ValueError(f"batched decoding drafts the suffix hybrid in chains: use "
+                             f"tree=chain, or suffix=false for the {proposer.name!r} draft's "
+                             "batched trees alone")
+        inner = None if proposer.inner is None else batch_drafter_for(proposer.inner)
+        return BatchSuffix(proposer, inner)
     family = family_of(proposer)
     if family is None or family.batch_drafter is None:
         able = [f.name for f in FAMILIES.values() if f.batch_drafter is not None]
         raise ValueError(f"no batched drafter for the {proposer.name!r} proposer: batch_size > 1 "
-                         f"runs the {', '.join(able)} drafts or plain decoding; decode it with "
-                         "batch_size=1")
+                         f"runs the {', '.join(able)} drafts, draft=suffix (each row's longest "
+                         "earlier match: prompt lookup's batched alternative) or plain decoding; "
+                         "decode it with batch_size=1")
     if proposer.tree and not family.batched_tree:
         able = [f.name for f in FAMILIES.values() if f.batched_tree]
         raise ValueError(f"batched decoding drafts trees with the {', '.join(able)} drafts only: "

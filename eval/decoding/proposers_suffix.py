@@ -120,6 +120,68 @@ def _bucket(m: int) -> int:
     return max(i for i, lo in enumerate(BUCKETS) if m >= lo)
 
 
+class AcceptRates:
+    """The rates a request measured, behind each round's choice between the suffix chain and the
+    inner draft: the suffix chain's acceptance per drafted token, per bucket of match length
+    (Beta prior), and the inner draft's accepted tokens per round (prior: one in one round).
+    Batch one keeps one per request, a batch one per row (:mod:`eval.decoding.batch_suffix`)."""
+
+    def __init__(self) -> None:
+        # suffix acceptance per match bucket: accepted and rejected drafts, prior included
+        self.s_acc = [PRIOR_WEIGHT * a for a in PRIOR_ALPHA]
+        self.s_rej = [PRIOR_WEIGHT * (1 - a) for a in PRIOR_ALPHA]
+        self.i_tokens, self.i_rounds = 1.0, 1.0
+
+    def suffix_tokens(self, m: int, length: int) -> float:
+        """Expected accepted suffix drafts of a chain of ``length`` at match length ``m``."""
+        b = _bucket(m)
+        a = self.s_acc[b] / (self.s_acc[b] + self.s_rej[b])
+        return sum(a ** j for j in range(1, length + 1))
+
+    def inner_tokens(self) -> float:
+        """Expected accepted drafts of the inner draft's proposal."""
+        return self.i_tokens / self.i_rounds
+
+    def add_suffix(self, m: int, length: int, accepted: int) -> None:
+        """A suffix chain of ``length`` drafted at match length ``m`` had ``accepted`` drafts
+        accepted (a rejection counted where it stopped short)."""
+        b = _bucket(m)
+        self.s_acc[b] += accepted
+        self.s_rej[b] += 1.0 if accepted < length else 0.0
+
+    def add_inner(self, accepted: int) -> None:
+        """The inner draft's proposal of a round had ``accepted`` drafts accepted."""
+        self.i_tokens += accepted
+        self.i_rounds += 1
+
+
+class VerifyCost:
+    """Seconds to verify a number of fed tokens: a least-squares line through the last
+    ``keep`` measured rounds (slope at least 0; a flat prior of 1% of the intercept per token
+    before two distinct sizes were seen; ``1 + 0.01 n``, unitless, before any)."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self.rounds: list[tuple[int, float]] = []  # (tokens fed, seconds)
+
+    def __bool__(self) -> bool:
+        return bool(self.rounds)
+
+    def add(self, fed: int, seconds: float) -> None:
+        self.rounds = (self.rounds + [(fed, seconds)])[-self.keep:]
+
+    def cost(self, fed: float) -> float:
+        if not self.rounds:
+            return 1.0 + 0.01 * fed
+        xs = [x for x, _ in self.rounds]
+        ys = [y for _, y in self.rounds]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+        slope = max(slope, 0.0) if var else 0.01 * my
+        return max(my + slope * (fed - mx), 1e-6)
+
+
 def _accepted_along(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int],
                     offset: int = 0) -> int:
     """How many of ``committed`` a proposal's tree (nodes ``offset + j``, parents in the same
@@ -180,13 +242,10 @@ class SuffixProposer(Proposer):
         return getattr(self.inner, "draft_vocab", None)
 
     def _reset_rates(self) -> None:
-        # suffix acceptance per match bucket: accepted and rejected drafts, prior included
-        self.s_acc = [PRIOR_WEIGHT * a for a in PRIOR_ALPHA]
-        self.s_rej = [PRIOR_WEIGHT * (1 - a) for a in PRIOR_ALPHA]
-        self.i_tokens, self.i_rounds = 1.0, 1.0  # inner accepted drafts per round (prior 1)
+        self.rates = AcceptRates()
         self.i_nodes = 0.0
         self.i_time = 0.0  # inner propose seconds per round (running mean)
-        self.fit: list[tuple[int, float]] = []  # (nodes fed, verify seconds), recent rounds
+        self.fit = VerifyCost()
         self._round: dict | None = None
 
     # ----- protocol ----------------------------------------------------------------------------
@@ -218,7 +277,7 @@ class SuffixProposer(Proposer):
         what = "both" if inner is not None and chain else "inner" if inner is not None else "suffix"
         if len(prop):
             self.choices[what] += 1
-        self._round = {"inner": inner, "chain": chain, "bucket": _bucket(m) if chain else None,
+        self._round = {"inner": inner, "chain": chain, "match": m,
                        "nodes": len(prop), "t": time.perf_counter()}
         return prop
 
@@ -226,21 +285,18 @@ class SuffixProposer(Proposer):
         r, self._round = self._round, None
         inner_path = path
         if r is not None:
-            self.fit = (self.fit + [(r["nodes"] + 1, time.perf_counter() - r["t"])])[-16:]
+            self.fit.add(r["nodes"] + 1, time.perf_counter() - r["t"])
             n_inner = 0 if r["inner"] is None else len(r["inner"])
             inner_path = path if path and path[0] < n_inner else []
             self.accepted["inner" if inner_path else "suffix"] += len(path)
             chain = r["chain"]
             if chain:
                 a = _accepted_along(chain, range(-1, len(chain) - 1), new_tokens)
-                b = r["bucket"]
-                self.s_acc[b] += a
-                self.s_rej[b] += 1.0 if a < len(chain) else 0.0
+                self.rates.add_suffix(r["match"], len(chain), a)
             if r["inner"] is not None:
                 prop = r["inner"]
-                self.i_tokens += _accepted_along(prop.tokens.tolist(), prop.parents.tolist(),
-                                                 new_tokens)
-                self.i_rounds += 1
+                self.rates.add_inner(_accepted_along(prop.tokens.tolist(), prop.parents.tolist(),
+                                                     new_tokens))
         if self.inner is not None:
             self.inner.accept(inner_path, new_tokens, target_out)
 
@@ -269,24 +325,7 @@ class SuffixProposer(Proposer):
 
     # ----- the choice --------------------------------------------------------------------------
     def _verify_cost(self, nodes: int) -> float:
-        """Seconds to verify ``nodes`` fed tokens: a least-squares line through the measured
-        rounds (slope at least 0; a flat prior of 1% of the intercept per node before two
-        distinct sizes were seen)."""
-        if not self.fit:
-            return 1.0 + 0.01 * nodes
-        xs = [x for x, _ in self.fit]
-        ys = [y for _, y in self.fit]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-        slope = max(slope, 0.0) if var else 0.01 * my
-        return max(my + slope * (nodes - mx), 1e-6)
-
-    def _suffix_tokens(self, m: int, length: int) -> float:
-        """Expected accepted suffix drafts of a chain of ``length`` at match length ``m``."""
-        b = _bucket(m)
-        a = self.s_acc[b] / (self.s_acc[b] + self.s_rej[b])
-        return sum(a ** j for j in range(1, length + 1))
+        return self.fit.cost(nodes)
 
     def _choose(self, m: int, available: int) -> tuple[bool, int]:
         """Whether the inner draft drafts, and the suffix chain's length (0: none). Suffix
@@ -296,16 +335,16 @@ class SuffixProposer(Proposer):
             if not available:
                 return False, 0
             return False, max(range(available + 1), key=lambda n: (
-                (1 + self._suffix_tokens(m, n)) / self._verify_cost(n + 1), -n))
+                (1 + self.rates.suffix_tokens(m, n)) / self._verify_cost(n + 1), -n))
         if not available:
             return True, 0
         if self.mode == "merge":
             return True, available
-        e_inner = self.i_tokens / self.i_rounds
+        e_inner = self.rates.inner_tokens()
         n_inner = self.i_nodes or 1.0
         best = ((1 + e_inner) / (self.i_time + self._verify_cost(n_inner + 1)), True, 0)
         for n in [x for x in LENGTHS if x < available] + [available]:
-            s = self._suffix_tokens(m, n)
+            s = self.rates.suffix_tokens(m, n)
             alone = (1 + s) / self._verify_cost(n + 1)
             both = (1 + max(e_inner, s)) / (self.i_time + self._verify_cost(n_inner + n + 1))
             best = max(best, (alone, False, n), (both, True, n), key=lambda c: c[0])

@@ -234,6 +234,15 @@ def _batch_p_values(kind: str, setting: dict, swap_counts: bool = False,
             n, nxt = verify(*args, **kw)
             return n.roll(1), nxt
         dec._verify = swapped
+    p_values, reached_3 = sampled_p_values(model, dec, setting)
+    assert reached_3 > ROWS // 4  # the third position was decided often
+    return p_values
+
+
+def sampled_p_values(model, dec: BatchDecoder, setting: dict) -> tuple[list[float], int]:
+    """``ROWS`` rows of each prompt sampled by ``dec`` (the prompts interleaved in batches of
+    100, seed 0): each prompt's chi-square p-value against the target's distribution of its
+    ``DEEP_NEW`` tokens, and how often a third draft position was decided."""
     g = torch.Generator().manual_seed(0)
     outs: dict[int, list[int]] = {0: [], 1: []}
     reached_3 = 0
@@ -243,9 +252,8 @@ def _batch_p_values(kind: str, setting: dict, swap_counts: bool = False,
                                              **setting)):
             outs[i % 2].append(int("".join(map(str, res.output_ids[:DEEP_NEW])), DEEP_V))
             reached_3 += res.stats.reached[2] if len(res.stats.reached) > 2 else 0
-    assert reached_3 > ROWS // 4  # the third position was decided often
     return [chi_square_p(torch.tensor(outs[j]), _deep_exact_for(model, prompt, setting))
-            for j, prompt in enumerate((PROMPT_A, PROMPT_B))]
+            for j, prompt in enumerate((PROMPT_A, PROMPT_B))], reached_3
 
 
 def _deep_exact_for(model, prompt: list[int], setting: dict) -> torch.Tensor:

@@ -375,7 +375,8 @@ def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, t
 
     path, _ = draft_package(decode_setup, kind)
     alone = _decode(decode_setup, path, "k=3", "limit=3", "adaptive_k=false", "fallback=false",
-                    "tree=chain", "suffix=false")  # batches draft the package alone
+                    "tree=chain", "suffix=false")
+    # batched: the hybrid (each row the package's chain or its suffix chain), the same tokens
     batched = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false")
     packed = _decode(decode_setup, path, "k=3", "limit=3", "batch_size=2", "fallback=false",
                      "batch_layout=packed")
@@ -384,6 +385,7 @@ def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, t
         s["output_ids"] for s in alone["samples"]] == [s["output_ids"] for s in packed["samples"]]
     assert [s["batch"] for s in batched["samples"]] == [0, 0, 1]
     assert batched["summary"]["tree"] is False and batched["summary"]["matches_baseline"] == 1.0
+    assert sum(batched["summary"]["suffix_rounds"].values()) > 0
     # a measured batch record gives K per batch size (the largest measured size up to B)
     pkg = tmp_path / kind
     shutil.copytree(path, pkg)
@@ -438,5 +440,7 @@ def test_bad_batch_settings_are_refused(decode_setup):
                 "batch_layout=packed")
     with pytest.raises(ValueError, match="time_budget_s is per request"):
         _decode(decode_setup, decode_setup["lm"], "batch_size=2", "time_budget_s=5")
+    with pytest.raises(ValueError, match="prompt lookup's batched alternative"):
+        _decode(decode_setup, "lookup", "batch_size=2")
     with pytest.raises(ValueError, match="batch_layout=ragged: use one of padded, packed"):
         _decode(decode_setup, decode_setup["lm"], "batch_size=2", "batch_layout=ragged")

@@ -234,9 +234,9 @@ def test_a_paused_hybrid_drafts_suffix_chains_alone_then_resumes_its_draft(targe
 
 def test_suffix_chains_alone_are_drafted_only_where_they_beat_a_plain_step():
     suffix = SuffixProposer(None, VOCAB)
-    suffix.fit = [(1, 0.010), (2, 0.020), (3, 0.030), (5, 0.050)]  # a token costs a plain step
+    suffix.fit.rounds = [(1, 0.010), (2, 0.020), (3, 0.030), (5, 0.050)]  # a token: a plain step
     assert suffix._choose(m=2, available=4) == (False, 0)
-    suffix.fit = [(1, 0.010), (2, 0.0101), (5, 0.0102)]  # verification nearly free
+    suffix.fit.rounds = [(1, 0.010), (2, 0.0101), (5, 0.0102)]  # verification nearly free
     assert suffix._choose(m=2, available=4)[1] > 0
 
 
