@@ -47,7 +47,9 @@ batch_drafter_for` refuses a suffix proposer around a tree), and the proposer's 
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -62,11 +64,10 @@ from draftsmith.eval.decoding.proposers_suffix import (
     VerifyCost,
 )
 
-TIME_WEIGHT = 0.25  # weight of the newest round in the running means of the costs
-
-
-def _mean(old: float | None, new: float) -> float:
-    return new if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * new
+STEP_SAMPLES = 8  # the inner's seconds per step: the median of its latest rounds
+# rounds without the inner after which the rows choose by their rates alone once (the inner
+# drafts for the rows that favour it): its rates and step time measured anew, not kept stale
+PROBE_EVERY = 16
 
 
 class InnerDrafter(Protocol):
@@ -98,7 +99,8 @@ class BatchSuffix:
         self.index: list[SuffixIndex] = []
         self.rates: list[AcceptRates] = []
         self._round: dict | None = None
-        self.t_step: float | None = None  # seconds per inner draft step (running mean)
+        self.steps: deque[float] = deque(maxlen=STEP_SAMPLES)  # inner seconds per step
+        self.without_inner = 0  # rounds since the inner last drafted
         self.fit = VerifyCost()  # seconds per verification against the block's width
 
     def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
@@ -130,9 +132,11 @@ class BatchSuffix:
         for each cap on the suffix chains (0: rows without the inner's chain take plain steps),
         with or without the inner for the rows whose rates expect more accepted drafts from it
         than from their capped suffix chain, the expected tokens of all rows per second
-        (verification: a line through the measured rounds' widths; the inner: its measured
-        seconds per step), the best kept. Before both are measured, each row takes what its
-        rates favour, uncapped (which measures them)."""
+        (verification: a line through the measured rounds' widths; the inner: the median of its
+        latest seconds per step), the best kept. Before both are measured, and once every
+        :data:`PROBE_EVERY` rounds without the inner, each row takes what its rates favour,
+        uncapped: that measures them, and a draft dropped early on a few rounds is tried again
+        with what the rows have learnt since."""
         longest = max(len(c) for c in chains)
         inner_at = [self.inner is not None and k > 0 for k in want]
 
@@ -144,8 +148,9 @@ class BatchSuffix:
             return [a and expect(b, cap) < r.inner_tokens()
                     for b, (a, r) in enumerate(zip(inner_at, self.rates))]
 
-        if not self.fit or (any(prefer(longest)) and self.t_step is None):
+        if not self.fit or not self.steps or self.without_inner >= PROBE_EVERY:
             return prefer(longest), longest
+        t_step = statistics.median(self.steps)
         best = (0.0, [False] * len(want), 0)
         for cap in [0] + [n for n in LENGTHS if n < longest] + [longest]:
             width = min(longest, cap)
@@ -158,7 +163,7 @@ class BatchSuffix:
                 width = max([k_inner] + [min(len(c), cap) for c, o in zip(chains, own) if not o])
                 tokens = sum(1 + (r.inner_tokens() if o else expect(b, cap))
                              for b, (o, r) in enumerate(zip(own, self.rates)))
-                cost = k_inner * self.t_step + self.fit.cost(width + 1)
+                cost = k_inner * t_step + self.fit.cost(width + 1)
                 best = max(best, (tokens / cost, own, cap), key=lambda c: c[0])
         return best[1], best[2]
 
@@ -179,12 +184,13 @@ class BatchSuffix:
         chains = [c[:cap] for c in chains]
         lengths = [k if o else len(c) for k, o, c in zip(want, own, chains)]
         k_inner = max((k for k, o in zip(want, own) if o), default=0)
+        self.without_inner = 0 if k_inner else self.without_inner + 1
         drafts = torch.zeros(len(want), max(lengths), dtype=torch.long)
         q = None
         if k_inner:
             t0 = time.perf_counter()
             inner_drafts, inner_q = self.inner.propose(k_inner, sampling, generator)
-            self.t_step = _mean(self.t_step, (time.perf_counter() - t0) / k_inner)
+            self.steps.append((time.perf_counter() - t0) / k_inner)
             drafts[:, :k_inner] = inner_drafts.cpu()
             if inner_q is not None:
                 q = inner_q.new_zeros(len(want), max(lengths), inner_q.shape[-1])

@@ -13,7 +13,7 @@ import torch
 from draftsmith.eval.decoding import batch_suffix
 from draftsmith.eval.decoding.batch import BatchDecoder, BatchTarget
 from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
-from draftsmith.eval.decoding.batch_suffix import BatchSuffix
+from draftsmith.eval.decoding.batch_suffix import PROBE_EVERY, BatchSuffix
 from draftsmith.eval.decoding.proposers import PromptLookupProposer
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
 from draftsmith.eval.decoding.proposers_suffix import AcceptRates, SuffixProposer
@@ -153,13 +153,17 @@ def test_rows_take_the_inner_chain_only_where_the_batch_gains_per_second(cycling
     # costs not measured yet: each row what its rates favour
     assert drafter._choose(want, matches, chains) == ([True, False], 3)
     drafter.fit.rounds = [(1, 0.050), (4, 0.051)]  # a wider block costs next to nothing more
-    drafter.t_step = 0.002  # a head step 4% of a verification: row 0 takes the head's chain
+    drafter.steps.append(0.002)  # a head step 4% of a verification: row 0 takes the head's chain
     assert drafter._choose(want, matches, chains) == ([True, False], 3)
     assert drafter._choose([0, 3], matches, chains) == ([False, False], 3)  # row 0 fallen back
-    drafter.t_step = 0.040  # three head steps cost more than row 0's drafts bring in
+    drafter.steps.extend([0.040, 0.040])  # three head steps cost more than row 0's drafts bring
     assert drafter._choose(want, matches, chains) == ([False, False], 3)
+    drafter.without_inner = PROBE_EVERY  # so many rounds without the head: the rows' rates choose
+    assert drafter._choose(want, matches, chains) == ([True, False], 3)
+    drafter.without_inner = 0
     drafter.fit.rounds = [(1, 0.050), (4, 0.200)]  # every fed token costs a plain step
-    drafter.t_step = 0.002
+    drafter.steps.clear()
+    drafter.steps.append(0.002)
     assert drafter._choose(want, matches, chains) == ([False, False], 0)  # plain steps
 
 
