@@ -148,9 +148,10 @@ class BatchSuffix:
             return [a and expect(b, cap) < r.inner_tokens()
                     for b, (a, r) in enumerate(zip(inner_at, self.rates))]
 
-        if not self.fit or not self.steps or self.without_inner >= PROBE_EVERY:
+        probe = self.inner is not None and (not self.steps or self.without_inner >= PROBE_EVERY)
+        if not self.fit or probe:
             return prefer(longest), longest
-        t_step = statistics.median(self.steps)
+        t_step = statistics.median(self.steps) if self.steps else 0.0  # (no inner: unused)
         best = (0.0, [False] * len(want), 0)
         for cap in [0] + [n for n in LENGTHS if n < longest] + [longest]:
             width = min(longest, cap)

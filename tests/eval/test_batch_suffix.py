@@ -165,6 +165,11 @@ def test_rows_take_the_inner_chain_only_where_the_batch_gains_per_second(cycling
     drafter.steps.clear()
     drafter.steps.append(0.002)
     assert drafter._choose(want, matches, chains) == ([False, False], 0)  # plain steps
+    alone = batch_drafter_for(SuffixProposer(None, VOCAB))  # suffix chains alone: the same caps
+    alone.rates, alone.fit.rounds = [AcceptRates(), AcceptRates()], drafter.fit.rounds
+    assert alone._choose(want, matches, chains) == ([False, False], 0)
+    alone.fit.rounds = [(1, 0.050), (4, 0.051)]
+    assert alone._choose(want, matches, chains) == ([False, False], 3)
 
 
 # ----- sampling: suffix rows verify point masses; beside the EAGLE head's chains (rows alternate
