@@ -1,12 +1,12 @@
 """Batched speculative decoding: the rows of a batch share every target verification.
 
 Each step drafts a chain for every row at once (the draft LM, or the EAGLE head; or each row's
-suffix match, alone or instead of the trained draft's chain where its measured rates favour it:
-:mod:`eval.decoding.batch_suffix`), feeds the target one ``(B, K + 1)`` block (each row's pending
-token and its drafts), accepts a prefix per row with the same lossless rule as batch size one
-(:func:`eval.decoding.verify.verify_chain_batch`, one accepted length per row), and commits each
-row under its own stop rules; rows that finish leave the batch. ``K = 0`` is plain batched
-decoding through the same loop.
+suffix match, alone or instead of the trained draft's chain where the batch's expected tokens per
+second favour it: :mod:`eval.decoding.batch_suffix`), feeds the target one ``(B, K + 1)`` block
+(each row's pending token and its drafts), accepts a prefix per row with the same lossless rule
+as batch size one (:func:`eval.decoding.verify.verify_chain_batch`, one accepted length per row),
+and commits each row under its own stop rules; rows that finish leave the batch. ``K = 0`` is
+plain batched decoding through the same loop.
 
 An EAGLE head with ``tree=True`` drafts an EAGLE-2 dynamic tree per row instead (each depth of
 every row's tree in one ``(B, topk)`` head forward); the target verifies each row's pending
@@ -245,11 +245,10 @@ class BatchDecoder:
                     ) -> tuple[list[list[int]], list[int], list[int], Tensor, float, float]:
         """One step of chains: each row drafts up to ``ks[b]`` (a model drafts the longest K
         for the batch; a suffix row drafts what its match holds, up to the tokens ``budgets[b]``
-        it may still add, maybe none; ``ks[b] = 0``: none), and its
-        block is its pending token and the drafts it really has (padding after). Returns each
-        row's new tokens (accepted drafts, then the next token), its drafted nodes and their
-        depth (what it really drafted), the next tokens ``(B,)`` and the step's draft and
-        verify seconds."""
+        it may still add, maybe none; ``ks[b] = 0``: none), and its block is its pending token
+        and the drafts it really has (padding after). Returns each row's new tokens (accepted
+        drafts, then the next token), its drafted nodes and their depth (what it really
+        drafted), the next tokens ``(B,)`` and the step's draft and verify seconds."""
         dev = self.target.device
         t0 = time.perf_counter()
         if int(ks.max()) > 0:

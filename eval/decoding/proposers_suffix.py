@@ -324,9 +324,6 @@ class SuffixProposer(Proposer):
                                            new_tokens)
 
     # ----- the choice --------------------------------------------------------------------------
-    def _verify_cost(self, nodes: int) -> float:
-        return self.fit.cost(nodes)
-
     def _choose(self, m: int, available: int) -> tuple[bool, int]:
         """Whether the inner draft drafts, and the suffix chain's length (0: none). Suffix
         chains alone (no inner draft, or paused) are drafted only where they beat a plain
@@ -335,18 +332,18 @@ class SuffixProposer(Proposer):
             if not available:
                 return False, 0
             return False, max(range(available + 1), key=lambda n: (
-                (1 + self.rates.suffix_tokens(m, n)) / self._verify_cost(n + 1), -n))
+                (1 + self.rates.suffix_tokens(m, n)) / self.fit.cost(n + 1), -n))
         if not available:
             return True, 0
         if self.mode == "merge":
             return True, available
         e_inner = self.rates.inner_tokens()
         n_inner = self.i_nodes or 1.0
-        best = ((1 + e_inner) / (self.i_time + self._verify_cost(n_inner + 1)), True, 0)
+        best = ((1 + e_inner) / (self.i_time + self.fit.cost(n_inner + 1)), True, 0)
         for n in [x for x in LENGTHS if x < available] + [available]:
             s = self.rates.suffix_tokens(m, n)
-            alone = (1 + s) / self._verify_cost(n + 1)
-            both = (1 + max(e_inner, s)) / (self.i_time + self._verify_cost(n_inner + n + 1))
+            alone = (1 + s) / self.fit.cost(n + 1)
+            both = (1 + max(e_inner, s)) / (self.i_time + self.fit.cost(n_inner + n + 1))
             best = max(best, (alone, False, n), (both, True, n), key=lambda c: c[0])
         return best[1], best[2]
 
