@@ -20,7 +20,10 @@ target's cache is ``padded`` (a cache row per batch row, blocks padded to the lo
 
 Per-row K: each row has its own :class:`~eval.decoding.k_controller.KController` (fixed K,
 fallback on), so a row whose drafts keep failing stops speculating (its slots of the block are
-padding) while the others go on. The block is as wide as the longest row's chain.
+padding) while the others go on. The block is as wide as the longest row's chain. Above them the
+batch's own fallback (:class:`~eval.decoding.batch_judge.BatchJudge`) takes plain steps for every
+row while the batch's speculative rounds commit fewer tokens per second than its plain steps; the
+hybrid (:class:`~eval.decoding.batch_suffix.BatchSuffix`) makes that choice itself each round.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from torch import Tensor, nn
 
 from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
+from draftsmith.eval.decoding.batch_judge import BatchJudge
+from draftsmith.eval.decoding.batch_suffix import BatchSuffix
 from draftsmith.eval.decoding.decoder import DecodeResult, _Stopper
 from draftsmith.eval.decoding.k_controller import KController
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
@@ -120,7 +125,8 @@ class BatchDecoder:
             :class:`~eval.decoding.proposers_suffix.SuffixProposer` alone or around a chain of
             either), or a plain proposer.
         k: draft length per step, the tree's depth for a tree (0 = plain batched decoding).
-        fallback: per-row fallback to plain decoding (each row's own K controller).
+        fallback: fallback to plain decoding, per row (each row's own K controller) and for the
+            batch (:class:`~eval.decoding.batch_judge.BatchJudge`; a hybrid chooses itself).
         layout: the target's cache layout (:data:`eval.decoding.slots.LAYOUTS`): ``packed`` feeds
             only each row's real tokens (a fallen-back row adds one token to a verification),
             ``padded`` pads every row to the longest chain.
@@ -183,30 +189,17 @@ class BatchDecoder:
         ctrls = [KController(self.k, adaptive=False, fallback=self.fallback) for _ in range(b)]
         for ctrl in ctrls:
             ctrl.tree = self.tree
+        self.judge = (BatchJudge(self.k) if self.fallback and self.k > 0
+                      and not isinstance(self.drafter, BatchSuffix) else None)
         t_start = time.perf_counter()
-        dev = self.target.device
-
-        # prefill: every prompt in one right-padded block
-        self.target.start(b)
-        ids, valid = pad_rows(prompts, dev)
-        logits, feats = self.target.feed(ids, valid, last_only=True)
-        first = self._sample(logits, sampling, generator)
-        t_prefill = time.perf_counter() - t_start
-        done = [stoppers[i].push(generated[i], int(first[i])) for i in range(b)]
-        for st in stats:
-            st.verify_time_s += t_prefill
-            st.target_forwards += 1
-        if self.drafter is not None:
-            t0 = time.perf_counter()
-            self.drafter.start([list(p) + [int(first[i])] for i, p in enumerate(prompts)],
-                               feats, valid)
-            for st in stats:
-                st.draft_time_s += time.perf_counter() - t0
+        done, first = self._prefill(prompts, sampling, generator, stoppers, generated, stats)
         rows, pending = self._leave(rows, done, first, stats, t_start)
         while rows:
             # 1.-2. propose (each row its own K, 0 = fallen back) and verify in one block
             budgets = [max_new_tokens - len(generated[r]) - 1 for r in rows]
             ks = torch.tensor([min(ctrls[r].next_k(), b) for r, b in zip(rows, budgets)])
+            if self.judge is not None and not self.judge.speculates():
+                ks.zero_()
             new, nodes, depths, nxt, t_draft, t_verify = self._step(ks, budgets, pending,
                                                                     sampling, generator)
             # 3. commit under each row's stop rules; 4. record; 5. rows that finished leave
@@ -228,15 +221,42 @@ class BatchDecoder:
                     ctrls[r].record(depth, nodes[i], n, len(new[i]), t_draft, t_verify)
                 elif max(depths) == 0:  # a plain step of the batch (padding costs the same)
                     ctrls[r].record_plain(t_draft + t_verify)
+            if self.judge is not None:
+                self.judge.record(depths, nodes, [len(x) for x in new], t_draft, t_verify)
             rows, pending = self._leave(rows, done, nxt, stats, t_start)
         return [DecodeResult(generated[i], self._final(stats[i], stoppers[i], generated[i]))
                 for i in range(b)]
 
+    def _prefill(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 generator: torch.Generator | None, stoppers: list[_Stopper],
+                 generated: list[list[int]], stats: list[DecodeStats]
+                 ) -> tuple[list[bool], Tensor]:
+        """Every prompt in one right-padded block: each row's first token (pushed under its stop
+        rules; whether that ended it) and the drafter started on the prompts."""
+        t_start = time.perf_counter()
+        self.target.start(len(prompts))
+        ids, valid = pad_rows(prompts, self.target.device)
+        logits, feats = self.target.feed(ids, valid, last_only=True)
+        first = self._sample(logits, sampling, generator)
+        t_prefill = time.perf_counter() - t_start
+        done = [stoppers[i].push(generated[i], int(first[i])) for i in range(len(prompts))]
+        for st in stats:
+            st.verify_time_s += t_prefill
+            st.target_forwards += 1
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            self.drafter.start([list(p) + [int(first[i])] for i, p in enumerate(prompts)],
+                               feats, valid)
+            for st in stats:
+                st.draft_time_s += time.perf_counter() - t0
+        return done, first
+
     def _step(self, ks: Tensor, budgets: list[int], pending: Tensor, sampling: Sampling,
               generator: torch.Generator | None
               ) -> tuple[list[list[int]], list[int], list[int], Tensor, float, float]:
-        """One step of trees (:meth:`_tree_step`) or chains (:meth:`_chain_step`)."""
-        if self.tree:
+        """One step of trees (:meth:`_tree_step`) or chains (:meth:`_chain_step`); a step in
+        which no row drafts is a chain step of none (no tree masks to build)."""
+        if self.tree and int(ks.max()) > 0:
             return self._tree_step(ks, pending, sampling, generator)
         return self._chain_step(ks, pending, sampling, generator, budgets)
 

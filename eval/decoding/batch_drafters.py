@@ -163,7 +163,8 @@ class BatchEagle(BatchDrafter):
         """``features (B, T, kH)``: the target's prefill features of each row's prompt (its
         first ``len(tokens[b]) - 1`` valid positions)."""
         self.slots = SlotCache(self.head.config, len(tokens), self.device)
-        self.pending = [(features[b, :len(t) - 1], list(t[1:])) for b, t in enumerate(tokens)]
+        # per row: the feature blocks (concatenated once, when fed) and tokens of its pairs
+        self.pending = [([features[b, :len(t) - 1]], list(t[1:])) for b, t in enumerate(tokens)]
 
     def _run(self, feats: Tensor, ids: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
         """The head's output ``(B, T, H)`` after the block ``feats (B, T, .)``, ``ids (B, T)``
@@ -180,12 +181,12 @@ class BatchEagle(BatchDrafter):
 
     def _first(self) -> Tensor:
         ids, valid = pad_rows([tok for _, tok in self.pending], self.device)
-        width = self.pending[0][0].shape[-1]
-        feats = torch.zeros(*ids.shape, width, dtype=self.pending[0][0].dtype,
+        blocks = [torch.cat(f) for f, _ in self.pending]
+        feats = torch.zeros(*ids.shape, blocks[0].shape[-1], dtype=blocks[0].dtype,
                             device=self.device)
-        for b, (f, _) in enumerate(self.pending):
+        for b, f in enumerate(blocks):
             feats[b, :f.shape[0]] = f.to(self.device)
-        self.pending = [(f[:0], []) for f, _ in self.pending]
+        self.pending = [([f[:0]], []) for f in blocks]
         self._last = last_valid(self._feed(feats, ids, valid), valid).unsqueeze(1)  # (B, 1, H)
         return self._logits()
 
@@ -214,7 +215,8 @@ class BatchEagle(BatchDrafter):
             self.slots.keep(self.draft_start, torch.zeros(len(rows), dtype=torch.long,
                                                           device=self.device))
         for b, (f, tok) in enumerate(self.pending):
-            self.pending[b] = (torch.cat([f, features[b, rows[b]].to(f.dtype)]), tok + tokens[b])
+            f.append(features[b, rows[b]].to(f[0].dtype))
+            tok += tokens[b]
 
     @torch.inference_mode()
     def propose_tree(self, depths: list[int], sampling: Sampling,

@@ -129,6 +129,8 @@ def test_fallen_back_rows_feed_one_token_when_packed(target_model, layout, monke
             return statistics.fmean(s.tokens for s in self.history) < 1.5
 
     monkeypatch.setattr("draftsmith.eval.decoding.batch.KController", Untimed)
+    # the rows' fallback alone: the batch's own judges timings (tests/eval/test_batch_judge.py)
+    monkeypatch.setattr("draftsmith.eval.decoding.batch.BatchJudge", lambda k: None)
     proposer = make("lm", target_model)
     dec = BatchDecoder(target_model, proposer, k=3, fallback=True, layout=layout)
     dec.drafter = Hostile(dec.drafter, [1], VOCAB)
