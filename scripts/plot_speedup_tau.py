@@ -69,8 +69,10 @@ def _shape(s: dict) -> str:
 
 
 def _prompts(name: str) -> str:
-    """A prompt set's name; a file's folder (``.../mt_bench/question.jsonl``: mt_bench)."""
-    return Path(name).parent.name or name if name.endswith(".jsonl") else name
+    """A prompt set's name; a file's folder and name (``../x/mt_bench/question.jsonl``:
+    ``mt_bench/question.jsonl``)."""
+    path = Path(name)
+    return f"{path.parent.name}/{path.name}" if name.endswith(".jsonl") else name
 
 
 def load_run(label: str, path: Path) -> Run:

@@ -37,10 +37,10 @@ def test_round_cost_split_and_the_tau_each_goal_needs(tmp_path):
     assert head.round_cost == pytest.approx(1.25) and sib.round_cost == pytest.approx(2.0)
     assert (head.draft_share, head.verify_share) == pytest.approx((0.25, 0.75))  # 1/5, 3/5 of r
     assert head.tau_for(2.5) == pytest.approx(3.125) and sib.tau_for(1.8) == pytest.approx(3.6)
-    assert head.prompts == "mt_bench" and sib.shape == "tree K 3, 8 nodes"
+    assert head.prompts == "mt_bench/question.jsonl" and sib.shape == "tree K 3, 8 nodes"
     assert head.points == [(1.5, 1.2), (2.5, 2.0)]
     md = out.with_suffix(".md").read_text()
-    assert ("| head | mt_bench | 0 | chain K 3 | 2.00 | 1.60x | 1.25 (0.25 + 0.75 + 0.25) | "
+    assert ("| head | mt_bench/question.jsonl | 0 | chain K 3 | 2.00 | 1.60x | 1.25 (0.25 + 0.75 + 0.25) | "
             "3.12 | 2.25 |") in md
     assert "| projection: amx | | | | | | 1.00 | 2.50 | 1.80 |" in md
     rows = list(csv.reader(out.with_suffix(".csv").read_text().splitlines()))
