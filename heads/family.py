@@ -160,6 +160,7 @@ class MedusaFamily(DraftFamily):
     name = "medusa"
     config_class = medusa.MedusaConfig
     proposer = "draftsmith.eval.decoding.proposers_medusa.MedusaProposer"
+    batch_drafter = "draftsmith.eval.decoding.batch_drafters.BatchMedusa"
     tree = TreeKind.STATIC
     tree_by_default = True
     exports = (_export("medusa", "_write_medusa", method="medusa",

@@ -1,12 +1,12 @@
 """Batched speculative decoding: the rows of a batch share every target verification.
 
-Each step drafts a chain for every row at once (the draft LM, or the EAGLE head; or each row's
-suffix match, alone or instead of the trained draft's chain where the batch's expected tokens per
-second favour it: :mod:`eval.decoding.batch_suffix`), feeds the target one ``(B, K + 1)`` block
-(each row's pending token and its drafts), accepts a prefix per row with the same lossless rule
-as batch size one (:func:`eval.decoding.verify.verify_chain_batch`, one accepted length per row),
-and commits each row under its own stop rules; rows that finish leave the batch. ``K = 0`` is
-plain batched decoding through the same loop.
+Each step drafts a chain for every row at once (the draft LM, the EAGLE head or Medusa heads; or
+each row's suffix match, alone or instead of the trained draft's chain where the batch's expected
+tokens per second favour it: :mod:`eval.decoding.batch_suffix`), feeds the target one
+``(B, K + 1)`` block (each row's pending token and its drafts), accepts a prefix per row with the
+same lossless rule as batch size one (:func:`eval.decoding.verify.verify_chain_batch`, one
+accepted length per row), and commits each row under its own stop rules; rows that finish leave
+the batch. ``K = 0`` is plain batched decoding through the same loop.
 
 An EAGLE head with ``tree=True`` drafts an EAGLE-2 dynamic tree per row instead (each depth of
 every row's tree in one ``(B, topk)`` head forward); the target verifies each row's pending
@@ -138,6 +138,8 @@ class BatchDecoder:
             raise ValueError(f"k must be >= 0 (0 = plain decoding), got {k}")
         self.drafter = batch_drafter_for(proposer)
         self.k = k if self.drafter is not None else 0
+        if getattr(self.drafter, "max_k", None) is not None:  # Medusa: a token per head
+            self.k = min(self.k, self.drafter.max_k)
         self.tree = bool(getattr(proposer, "tree", False)) and self.drafter is not None
         if self.tree and check_layout(layout) != "padded":
             raise ValueError(f"layout={layout}: batched trees use the padded layout (a tree "

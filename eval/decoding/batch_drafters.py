@@ -1,5 +1,6 @@
-"""Batched drafters for :mod:`eval.decoding.batch`: the draft LM's and the EAGLE head's chains
-for every row of a batch at once, and the EAGLE head's dynamic trees (one tree per row).
+"""Batched drafters for :mod:`eval.decoding.batch`: the draft LM's, the EAGLE head's and Medusa
+heads' chains for every row of a batch at once, and the EAGLE head's dynamic trees (one tree per
+row).
 
 Each is built from a batch-one proposer (its weights and draft vocabulary) and keeps its own
 :class:`~eval.decoding.slots.SlotCache` with each row's committed tokens; drafted slots are
@@ -25,6 +26,7 @@ from draftsmith.eval.decoding.proposers import (
     fit_vocab,
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.eval.decoding.proposers_medusa import MedusaProposer
 from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.slots import SlotCache, last_valid, pad_rows
 from draftsmith.eval.decoding.target_model import cache_kwarg
@@ -272,6 +274,48 @@ class BatchEagle(BatchDrafter):
     def select(self, rows: Tensor) -> None:
         self.slots.select(rows)
         self.pending = [self.pending[i] for i in rows.tolist()]
+
+
+class BatchMedusa:
+    """The heads of a :class:`~eval.decoding.proposers_medusa.MedusaProposer`, batched, as
+    chains: head ``i`` applied to the target's final hidden state at each row's last committed
+    position drafts that row's token ``i + 1`` places after its pending one, the top candidate
+    of each head as batch one's chain takes it (deterministic: point masses at any temperature).
+    Nothing to cache but that hidden state per row; a chain is at most :attr:`max_k` long."""
+
+    def __init__(self, proposer: MedusaProposer) -> None:
+        self.proposer = proposer
+        self.heads = proposer.heads
+        self.vocab_size = proposer.vocab_size
+        self.max_k = int(self.heads.cfg.num_heads)
+
+    def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
+        """``features (B, T, H)``: the target's final hidden states of the prefill."""
+        self.hidden = last_valid(features, valid)  # (B, H)
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[Tensor, None]:
+        """``k`` (at most :attr:`max_k`) drafts per row ``(B, k)``; no ``q`` (point masses)."""
+        if k > self.max_k:
+            raise ValueError(f"Medusa heads draft at most {self.max_k} tokens, asked for {k}")
+        logits = self.heads(self.hidden.unsqueeze(1))[:, 0, :k].float()  # (B, k, V)
+        return fit_vocab(logits, self.vocab_size).argmax(-1), None
+
+    def propose_chains(self, ks: Tensor, sampling: Sampling, generator: torch.Generator | None,
+                       budgets: list[int] | None = None) -> tuple[Tensor, None, Tensor]:
+        """As :meth:`BatchDrafter.propose_chains`."""
+        drafts, q = self.propose(int(ks.max()), sampling, generator)
+        return drafts, q, ks
+
+    def commit(self, k: int, n: Tensor, drafts: Tensor, nxt: Tensor, features: Tensor,
+               own: Tensor | None = None) -> None:
+        """Each row's hidden state at its last accepted block position ``n[b]`` (the one that
+        chose ``nxt[b]``); ``features (B, K + 1, H)``."""
+        self.hidden = features[torch.arange(len(n), device=features.device), n.to(features.device)]
+
+    def select(self, rows: Tensor) -> None:
+        self.hidden = self.hidden[rows.to(self.hidden.device)]
 
 
 def family_of(proposer: Proposer) -> DraftFamily | None:

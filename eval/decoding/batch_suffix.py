@@ -103,6 +103,12 @@ class BatchSuffix:
         self.without_inner = 0  # rounds since the inner last drafted
         self.fit = VerifyCost()  # seconds per verification against the block's width
 
+    @property
+    def max_k(self) -> int | None:
+        """The longest chain the inner drafter drafts (None: any; suffix chains are not bound
+        by it)."""
+        return getattr(self.inner, "max_k", None)
+
     def start(self, tokens: list[list[int]], features: Tensor, valid: Tensor) -> None:
         """Each row's prompt and first token ``tokens[b]``; ``features``, ``valid``: the
         target's prefill, for the inner drafter."""

@@ -47,6 +47,12 @@ def make(name: str, model):
     if name == "lm-vocab":  # drafts over 40 of the 64 ids only
         return DraftLMProposer(tiny_llama(seed=7, vocab=VOCAB, layers=1), VOCAB,
                                vocab_ids=torch.arange(0, 64, 64 // 40)[:40])
+    if name == "medusa":  # three heads with their own LM heads, a chain of their top tokens
+        from draftsmith.eval.decoding.proposers_medusa import MedusaProposer, medusa_choices
+        from draftsmith.heads.medusa import MedusaConfig, build_medusa
+
+        heads = randomize(build_medusa(MedusaConfig(num_heads=3, num_layers=1), model), seed=6)
+        return MedusaProposer(heads, VOCAB, medusa_choices([1, 1, 1]))
     torch.manual_seed(4)
     fuse = [1, 2] if name.startswith("eagle3") else None
     layout = "eagle3" if name == "eagle3-layout" else "eagle1"
@@ -55,7 +61,8 @@ def make(name: str, model):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("name", ["plain", "lm", "lm-vocab", "eagle", "eagle3", "eagle3-layout"])
+@pytest.mark.parametrize("name", ["plain", "lm", "lm-vocab", "eagle", "eagle3", "eagle3-layout",
+                                  "medusa"])
 def test_greedy_rows_equal_batch_one_decoding(target_model, name, layout):
     proposer = make(name, target_model)
     single = SpeculativeDecoder(target_model, proposer, k=3, adaptive=False, fallback=False)
@@ -169,6 +176,25 @@ def test_draft_lm_trees_and_packed_trees_are_refused(target_model):
     with pytest.raises(ValueError, match="batched trees use the padded layout"):
         BatchDecoder(target_model, EagleProposer(make("eagle", target_model).head, VOCAB,
                                                  tree=True), layout="packed")
+
+
+def test_medusa_batches_chains_of_one_token_per_head_alone_and_beside_suffix_chains(target_model):
+    from draftsmith.eval.decoding.proposers_medusa import MedusaProposer
+    from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
+
+    medusa = make("medusa", target_model)  # three heads
+    dec = BatchDecoder(target_model, medusa, k=5, fallback=False)
+    assert dec.k == 3  # a chain is one token per head
+    hybrid = BatchDecoder(target_model, SuffixProposer(medusa, VOCAB), k=5, fallback=False)
+    assert hybrid.k == 3
+    for d in (dec, hybrid):
+        got = d.generate(BATCH_PROMPTS, max_new_tokens=24)
+        for prompt, res in zip(BATCH_PROMPTS, got):
+            assert res.output_ids == hf_greedy(target_model, prompt, 24, None)
+        assert sum(r.stats.accepted for r in got) > 0  # some drafts accepted, on the same path
+    tree = MedusaProposer(medusa.heads, VOCAB)  # its default static tree
+    with pytest.raises(ValueError, match="tree=chain for the 'medusa' draft"):
+        BatchDecoder(target_model, tree)
 
 
 def test_slot_cache_tree_masks_positions_and_path_keep():

@@ -369,7 +369,7 @@ def test_fused_draft_is_the_default_and_can_be_turned_off(decode_setup, monkeypa
         _decode(decode_setup, pkg, "limit=1", "fused_draft=no")
 
 
-@pytest.mark.parametrize("kind", ["lm", "eagle"])
+@pytest.mark.parametrize("kind", ["lm", "eagle", "medusa"])
 def test_batch_size_decodes_like_batch_one_and_reads_the_batch_k(decode_setup, tmp_path, kind):
     import shutil
 

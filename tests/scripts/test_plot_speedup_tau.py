@@ -40,8 +40,8 @@ def test_round_cost_split_and_the_tau_each_goal_needs(tmp_path):
     assert head.prompts == "mt_bench/question.jsonl" and sib.shape == "tree K 3, 8 nodes"
     assert head.points == [(1.5, 1.2), (2.5, 2.0)]
     md = out.with_suffix(".md").read_text()
-    assert ("| head | mt_bench/question.jsonl | 0 | chain K 3 | 2.00 | 1.60x | 1.25 (0.25 + 0.75 + 0.25) | "
-            "3.12 | 2.25 |") in md
+    assert ("| head | mt_bench/question.jsonl | 0 | chain K 3 | 2.00 | 1.60x | "
+            "1.25 (0.25 + 0.75 + 0.25) | 3.12 | 2.25 |") in md
     assert "| projection: amx | | | | | | 1.00 | 2.50 | 1.80 |" in md
     rows = list(csv.reader(out.with_suffix(".csv").read_text().splitlines()))
     assert rows[0] == ["run", "tau", "speedup", "whole"] and len(rows) == 1 + 2 * 3
