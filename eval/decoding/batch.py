@@ -147,6 +147,7 @@ class BatchDecoder:
         self.target = BatchTarget(target, proposer.layer_ids, check_layout(layout))
         self.fallback = fallback
         self.lossless = proposer.lossless
+        self.judge: BatchJudge | None = None  # the batch's fallback of the last generate
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
