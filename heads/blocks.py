@@ -86,6 +86,14 @@ def attach_target_embeddings(head: nn.Module, target_model: nn.Module, like: Ten
         head.lm_head.weight = nn.Parameter(out.detach().to(like), requires_grad=False)
 
 
+def require_attached(module: nn.Module, what: str) -> None:
+    """Refuse a head whose frozen target weights (embedding, LM head) are still unset."""
+    if not getattr(module, "target_attached", True):
+        raise ValueError(f"the {what} reads the target's embedding and LM head, which are not "
+                         "attached: load the draft with its target (load_package(..., "
+                         "target=...)) or call attach_target(target_model) on it")
+
+
 def master_dtype(target_dtype: torch.dtype) -> torch.dtype:
     """The dtype a draft's trainable weights are built in: fp32 for a 16-bit target. Adam's
     updates late in a cosine schedule are below bf16's resolution (about 0.4% of a weight) and

@@ -261,10 +261,16 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(self.config) for _ in range(cfg.num_layers))
         self.norm = LlamaRMSNorm(h, eps=self.config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(self.config)  # the target's RoPE scaling too
-        self.embed_tokens = nn.Embedding(v, h)
+        # the target's embedding and LM head: on the meta device until attach_target
+        self.embed_tokens = nn.Embedding(v, h, device="meta")
         self.embed_tokens.weight.requires_grad_(False)
-        self.lm_head = nn.Linear(h, v, bias=False)
+        self.lm_head = nn.Linear(h, v, bias=False, device="meta")
         self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def target_attached(self) -> bool:
+        """False while the target's embedding and LM head wait for :meth:`attach_target`."""
+        return not self.embed_tokens.weight.is_meta
 
     @property
     def block_size(self) -> int:

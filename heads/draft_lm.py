@@ -28,6 +28,11 @@ from draftsmith.heads.blocks import (
 )
 from draftsmith.heads.draft_config import draft_model_config, text_config
 
+try:  # transformers >= 5
+    from transformers.initialization import no_init_weights
+except ImportError:  # 4.x
+    from transformers.modeling_utils import no_init_weights
+
 INIT_CHOICES = ("random", "target", "model")  # model: another model's weights (heads/foreign.py)
 
 
@@ -143,20 +148,40 @@ def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> PreTrai
     tc = text_config(target_model.config)
     dcfg = draft_lm_config(cfg, tc)
     dtype = master_dtype(next(target_model.parameters()).dtype)
-    draft = AutoModelForCausalLM.from_config(dcfg).to(dtype)
-    if getattr(target_model, "generation_config", None) is not None:
-        draft.generation_config = copy.deepcopy(target_model.generation_config)
-    if cfg.init == "target":
+    if cfg.init != "target":
+        draft = AutoModelForCausalLM.from_config(dcfg).to(dtype)
+    else:
         layers = _check_target_init(cfg, tc)
+        # every weight is copied from the target below: random init first would only cost time
+        # (about 16 s for a copy of Qwen2.5-Coder-0.5B on one core)
+        with no_init_weights():  # which also skips tying the LM head to the embedding
+            draft = AutoModelForCausalLM.from_config(dcfg).to(dtype)
+        draft.tie_weights()
+        written: set[str] = set()
         with torch.no_grad():
             src, dst = target_model.model, draft.model
             dst.get_input_embeddings().weight.copy_(src.get_input_embeddings().weight)
+            written.add(_param_name(draft, dst.get_input_embeddings().weight))
             for j, i in enumerate(layers):
                 dst.layers[j].load_state_dict(src.layers[i].state_dict())
+                written.update(f"model.layers.{j}.{n}" for n, _ in dst.layers[j].named_parameters())
             dst.norm.load_state_dict(src.norm.state_dict())
+            written.update(f"model.norm.{n}" for n, _ in dst.norm.named_parameters())
             if not dcfg.tie_word_embeddings:
                 draft.lm_head.weight.copy_(target_model.lm_head.weight)
+                written.add("lm_head.weight")
+        unset = sorted({n for n, _ in draft.named_parameters()} - written)
+        if unset:  # the architecture holds weights this copy does not know about
+            raise ValueError(f"init='target' copies the embedding, {len(layers)} layers, the "
+                             f"final norm and the LM head, but the draft also has {unset[:5]}: "
+                             "use init='random' for this target's architecture")
+    if getattr(target_model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(target_model.generation_config)
     return draft.train()
+
+
+def _param_name(model: nn.Module, param: Tensor) -> str:
+    return next(n for n, p in model.named_parameters() if p is param)
 
 
 def apply_lora(model: PreTrainedModel, r: int = 8, alpha: float = 16.0,

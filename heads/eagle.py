@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import skip_init
 from transformers import DynamicCache, LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -136,22 +137,32 @@ class EagleHead(nn.Module):
                 self.layer.input_layernorm = nn.Identity()
                 self.norm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(self.config)
-        self.embed_tokens = nn.Embedding(v, h)
+        # the target's embedding (and full LM head): on the meta device until attach_target
+        # (random values first would only cost time: seconds for a 151,936-word vocabulary)
+        self.embed_tokens = nn.Embedding(v, h, device="meta")
         self.embed_tokens.weight.requires_grad_(False)
         self.reduced = cfg.draft_vocab_size is not None
         if self.reduced:
             vd = int(cfg.draft_vocab_size)
             if vd > v:
                 raise ValueError(f"draft_vocab_size {vd} exceeds the target vocabulary {v}")
-            self.lm_head = nn.Linear(h, vd, bias=False)
+            # rows of the target's LM head are copied in (build_eagle) or loaded: no init first,
+            # unless it starts random
+            self.lm_head = (nn.Linear(h, vd, bias=False) if cfg.lm_head == "random"
+                            else skip_init(nn.Linear, h, vd, bias=False))
             self.lm_head.weight.requires_grad_(cfg.lm_head != "frozen")
             self.register_buffer("d2t", torch.arange(vd, dtype=torch.long))
             t2d = torch.zeros(v, dtype=torch.bool)
             t2d[:vd] = True
             self.register_buffer("t2d", t2d)
         else:
-            self.lm_head = nn.Linear(h, v, bias=False)
+            self.lm_head = nn.Linear(h, v, bias=False, device="meta")
             self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def target_attached(self) -> bool:
+        """False while the target's embedding (and full LM head) wait for :meth:`attach_target`."""
+        return not self.embed_tokens.weight.is_meta
 
     # ----- frozen parts ------------------------------------------------------------------
     def _frozen_prefixes(self) -> tuple[str, ...]:

@@ -198,16 +198,18 @@ class MedusaFamily(DraftFamily):
             raise ValueError(f"draft.config.lm_head={mode!r} is invalid; allowed values: "
                              f"{', '.join(medusa.LM_HEAD_MODES)}")
 
+    def frozen_prefixes(self, head_config):
+        """A shared LM head (``lm_head.*``, the target's own weight); own LM heads
+        (``heads.{i}.lm_head.*``) are stored."""
+        return ("lm_head.",)
+
     def saved_state(self, module, head_config):
-        """Leaves out a shared LM head (``lm_head.*``, the target's own weight): it is attached
-        from the target on load. Own LM heads (``heads.{i}.lm_head.*``) are stored."""
         built = getattr(module, "cfg", head_config).lm_head
         if head_config.lm_head != built:
             raise ValueError(f"head config says lm_head={head_config.lm_head!r} but the heads "
                              f"were built with lm_head={built!r}: save them with their resolved "
                              "config (heads.cfg)")
-        state = {k: v for k, v in module.state_dict().items() if not k.startswith("lm_head.")}
-        return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+        return super().saved_state(module, head_config)
 
     def empty_head(self, head_config, identity, target_config, target_model):
         head = medusa.MedusaHeads(head_config, identity["hidden_size"], identity["vocab_size"])
@@ -318,13 +320,11 @@ class EagleFamily(DraftFamily):
     def check_init_from(self, package_config, draft_cfg, where):
         _same_fuse_layers(package_config, draft_cfg, where)
 
-    def saved_state(self, module, head_config):
-        """Leaves out ``embed_tokens.*`` always and ``lm_head.*`` when the head uses the target's
-        LM head (``draft_vocab_size`` is None); they are re-attached from the target on load."""
-        drop = ("embed_tokens.",) + (("lm_head.",) if head_config.draft_vocab_size is None
+    def frozen_prefixes(self, head_config):
+        """``embed_tokens.*`` always, ``lm_head.*`` when the head uses the target's LM head
+        (``draft_vocab_size`` is None)."""
+        return ("embed_tokens.",) + (("lm_head.",) if head_config.draft_vocab_size is None
                                      else ())
-        return {k: v for k, v in super().saved_state(module, head_config).items()
-                if not k.startswith(drop)}
 
     def target_config_of(self, module):
         return module.config  # the target's config cut to the head's one decoder layer
@@ -393,10 +393,8 @@ class DFlashFamily(DraftFamily):
             raise ValueError(f"draft.init_from={where} drafts blocks of {package_config.block_size}"
                              f" tokens: set draft.num_positions={package_config.block_size - 1}")
 
-    def saved_state(self, module, head_config):
-        """Leaves out the target's embedding and LM head (re-attached on load)."""
-        return {k: v for k, v in super().saved_state(module, head_config).items()
-                if not k.startswith(("embed_tokens.", "lm_head."))}
+    def frozen_prefixes(self, head_config):
+        return ("embed_tokens.", "lm_head.")
 
     def target_config_of(self, module):
         return module.config  # the derived layer config (the target's widths, heads, RoPE)

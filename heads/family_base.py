@@ -173,9 +173,15 @@ class DraftFamily(abc.ABC):
         """Refuse continuing from a package whose head cannot use this run's data."""
 
     # ------------------------------------------------------------------ packages
+    def frozen_prefixes(self, head_config: Any) -> tuple[str, ...]:
+        """State-dict prefixes of the target's own weights that the head reads (its embedding,
+        its LM head): left out of packages and attached from the target on load."""
+        return ()
+
     def saved_state(self, module: nn.Module, head_config: Any) -> dict[str, Tensor]:
         """The tensors a package stores (frozen parts copied from the target left out)."""
-        state = module.state_dict()
+        drop = self.frozen_prefixes(head_config)
+        state = {k: v for k, v in module.state_dict().items() if not k.startswith(drop)}
         # safetensors refuses shared or non-contiguous storage: store independent copies
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
@@ -215,14 +221,14 @@ class DraftFamily(abc.ABC):
 
     def load_state(self, module: nn.Module, head_config: Any, state: dict[str, Tensor]) -> None:
         """Load stored tensors into a head; the only keys allowed to be absent are frozen parts."""
-        expected = set(self.saved_state(module, head_config))
+        own = module.state_dict()
+        expected = {k for k in own if not k.startswith(self.frozen_prefixes(head_config))}
         missing = sorted(expected - set(state))
-        unexpected = sorted(set(state) - set(module.state_dict()))
+        unexpected = sorted(set(state) - set(own))
         if missing or unexpected:
             raise HeadStateError(f"weights do not fit a {self.name} head with config "
                                  f"{head_config.to_dict()}: missing {missing[:8]}, unexpected "
                                  f"{unexpected[:8]}")
-        own = module.state_dict()
         bad = [f"{k}: stored {tuple(v.shape)}, head expects {tuple(own[k].shape)}"
                for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
         if bad:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import skip_init
 from transformers import PreTrainedModel
 
 from draftsmith.heads.blocks import (
@@ -135,7 +136,9 @@ class MedusaHead(nn.Module):
                  own_lm_head: bool = True) -> None:
         super().__init__()
         self.blocks = nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_lm_head else None
+        # an own LM head is always copied from the target's (build_medusa) or loaded: no init
+        self.lm_head = (skip_init(nn.Linear, hidden_size, vocab_size, bias=False) if own_lm_head
+                        else None)
 
     def forward(self, hidden: Tensor) -> Tensor:  # (B, T, H) -> (B, T, V)
         if self.lm_head is None:

@@ -27,6 +27,7 @@ from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import Proposer
 from draftsmith.eval.decoding.target_model import RESERVE, TargetOutput
 from draftsmith.eval.decoding.verify import top1
+from draftsmith.heads.blocks import require_attached
 from draftsmith.heads.dflash import KVCache
 
 
@@ -56,6 +57,7 @@ class DFlashProposer(Proposer):
         return cls(module, vocab_size)
 
     def __init__(self, drafter: nn.Module, vocab_size: int) -> None:
+        require_attached(drafter, "DFlash drafter")
         if int(drafter.vocab_size) != vocab_size:
             raise ValueError(f"the drafter drafts over {drafter.vocab_size} ids, the target's "
                              f"vocabulary has {vocab_size}: it was built for another target")

@@ -20,6 +20,7 @@ from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import DraftVocabMixin, Proposer, head_rows
 from draftsmith.eval.decoding.target_model import TargetOutput, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
+from draftsmith.heads.blocks import require_attached
 
 
 class EagleProposer(DraftVocabMixin, Proposer):
@@ -56,6 +57,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
                  tree_draw: str = "sample", fused: bool = True) -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
+        require_attached(head, "EAGLE head")
         self.head = head
         self.vocab_size = vocab_size
         self.tree = tree

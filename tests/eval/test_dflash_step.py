@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from draftsmith.eval.decoding import dflash_step, kv_cache, proposers_dflash
 from draftsmith.eval.decoding.dflash_step import DFlashStep
@@ -39,6 +40,7 @@ def _drafter(kv: int = 2, seed: int = 0) -> DFlashDrafter:
                                             "mask_token_id": 2, "num_layers": 2}, tc)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg, tc)
+    drafter.attach_target(LlamaForCausalLM(tc))  # a random target's embedding and LM head
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in drafter.parameters():

@@ -69,6 +69,24 @@ def test_draft_lm_with_all_target_layers_reproduces_the_target():
     assert draft.config.eos_token_id == target.config.eos_token_id
 
 
+def test_draft_lm_from_the_target_refuses_weights_it_does_not_copy(monkeypatch):
+    """init='target' skips random init (every weight is copied): a draft architecture with a
+    weight the copy does not know about is refused instead of left uninitialised."""
+    target = tiny_llama()
+    build = AutoModelForCausalLM.from_config
+
+    def with_extra(config, **kw):
+        model = build(config, **kw)
+        model.model.extra_scale = torch.nn.Parameter(torch.empty(4))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", with_extra)
+    with pytest.raises(ValueError, match=r"draft also has \['model.extra_scale'\]: use "
+                                         "init='random'"):
+        build_draft_lm(DraftLMConfig.matching(target.config, 2, init="target"), target)
+    build_draft_lm(DraftLMConfig.matching(target.config, 2, init="random"), target)  # random: ok
+
+
 def test_draft_lm_copies_chosen_layers_and_defaults_to_evenly_spaced():
     target = tiny_llama(layers=3)
     draft = build_draft_lm(DraftLMConfig.matching(target.config, 2, init="target"), target)
@@ -311,6 +329,30 @@ def test_eagle_frozen_parts_are_not_saved_and_reattach():
         fresh.load_trainable_state_dict({k: v for k, v in state.items() if k != "fc.weight"})
     with pytest.raises(ValueError, match="another target"):
         fresh.attach_target(tiny_llama(vocab=64))
+
+
+@pytest.mark.parametrize("family", ["eagle", "dflash"])
+def test_a_head_without_its_target_weights_is_refused_until_attached(family):
+    """The frozen embedding and LM head are built unset (meta: no random values to overwrite)
+    and a proposer refuses the head until ``attach_target``."""
+    from draftsmith.eval.decoding.proposers_dflash import DFlashProposer
+    from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+    from draftsmith.heads.dflash import DFlashConfig, DFlashDrafter
+
+    target = tiny_llama()
+    head, proposer = {
+        "eagle": (lambda: EagleHead(EagleConfig(), target.config), EagleProposer),
+        "dflash": (lambda: DFlashDrafter(DFlashConfig(fuse_layers=[1, 2], num_layers=1,
+                                                      block_size=4, mask_token_id=3),
+                                         target.config), DFlashProposer)}[family]
+    head = head()
+    assert not head.target_attached and head.embed_tokens.weight.is_meta
+    with pytest.raises(ValueError, match="not attached: load the draft with its target"):
+        proposer(head, V)
+    head.attach_target(target)
+    assert head.target_attached
+    assert head.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    proposer(head, V)  # accepted now
 
 
 def test_build_vocab_map_and_reduced_vocab_head():
