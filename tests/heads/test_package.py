@@ -253,7 +253,9 @@ def test_eagle_round_trip_with_and_without_target(tmp_path):
     torch.testing.assert_close(pkg.module.compute_logits(pkg.module(feats, ids)), want,
                                rtol=0, atol=0)
     alone = load_package(out)  # rebuilt from the stored target config, then attached
+    assert not alone.module.target_attached  # the frozen parts wait for their target
     alone.module.attach_target(target.model)
+    assert alone.module.target_attached
     torch.testing.assert_close(alone.module.compute_logits(alone.module(feats, ids)), want,
                                rtol=0, atol=0)
 
