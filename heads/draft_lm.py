@@ -157,20 +157,18 @@ def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> PreTrai
         with no_init_weights():  # which also skips tying the LM head to the embedding
             draft = AutoModelForCausalLM.from_config(dcfg).to(dtype)
         draft.tie_weights()
-        written: set[str] = set()
         with torch.no_grad():
             src, dst = target_model.model, draft.model
             dst.get_input_embeddings().weight.copy_(src.get_input_embeddings().weight)
-            written.add(_param_name(draft, dst.get_input_embeddings().weight))
             for j, i in enumerate(layers):
                 dst.layers[j].load_state_dict(src.layers[i].state_dict())
-                written.update(f"model.layers.{j}.{n}" for n, _ in dst.layers[j].named_parameters())
             dst.norm.load_state_dict(src.norm.state_dict())
-            written.update(f"model.norm.{n}" for n, _ in dst.norm.named_parameters())
             if not dcfg.tie_word_embeddings:
                 draft.lm_head.weight.copy_(target_model.lm_head.weight)
-                written.add("lm_head.weight")
-        unset = sorted({n for n, _ in draft.named_parameters()} - written)
+        copied = [dst.get_input_embeddings(), *dst.layers, dst.norm,
+                  *(() if dcfg.tie_word_embeddings else (draft.lm_head,))]
+        written = {id(p) for module in copied for p in module.parameters()}
+        unset = [n for n, p in draft.named_parameters() if id(p) not in written]
         if unset:  # the architecture holds weights this copy does not know about
             raise ValueError(f"init='target' copies the embedding, {len(layers)} layers, the "
                              f"final norm and the LM head, but the draft also has {unset[:5]}: "
@@ -178,10 +176,6 @@ def build_draft_lm(cfg: DraftLMConfig, target_model: PreTrainedModel) -> PreTrai
     if getattr(target_model, "generation_config", None) is not None:
         draft.generation_config = copy.deepcopy(target_model.generation_config)
     return draft.train()
-
-
-def _param_name(model: nn.Module, param: Tensor) -> str:
-    return next(n for n, p in model.named_parameters() if p is param)
 
 
 def apply_lora(model: PreTrainedModel, r: int = 8, alpha: float = 16.0,

@@ -221,8 +221,8 @@ class DraftFamily(abc.ABC):
 
     def load_state(self, module: nn.Module, head_config: Any, state: dict[str, Tensor]) -> None:
         """Load stored tensors into a head; the only keys allowed to be absent are frozen parts."""
-        own = module.state_dict()
-        expected = {k for k in own if not k.startswith(self.frozen_prefixes(head_config))}
+        own, frozen = module.state_dict(), self.frozen_prefixes(head_config)
+        expected = {k for k in own if not k.startswith(frozen)}
         missing = sorted(expected - set(state))
         unexpected = sorted(set(state) - set(own))
         if missing or unexpected:
