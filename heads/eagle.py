@@ -256,15 +256,19 @@ class EagleHead(nn.Module):
     def _rope(self, x: Tensor, position_ids: Tensor, bound: int) -> tuple[Tensor, Tensor]:
         """RoPE's ``(cos, sin)`` at ``position_ids`` (all below ``bound``). Decoding reads them
         from a table kept between calls (the same values: each position's angles are computed
-        alone); training computes them."""
+        alone); training computes them. One table per dtype and device: under autocast the
+        calls of one step come in both dtypes, and a single table rebuilt at each switch with
+        doubled length grew without bound (validation of a Qwen head reached 24 GB)."""
         if torch.is_grad_enabled():
             return self.rotary_emb(x, position_ids)
-        table = getattr(self, "_rope_table", None)
-        if (table is None or table[0].shape[0] < bound or table[0].dtype != x.dtype
-                or table[0].device != x.device):
+        tables = getattr(self, "_rope_tables", None)
+        if tables is None:
+            tables = self._rope_tables = {}
+        table = tables.get((x.dtype, x.device))
+        if table is None or table[0].shape[0] < bound:
             n = max(bound, 2 * (0 if table is None else table[0].shape[0]), 1024)
             cos, sin = self.rotary_emb(x, torch.arange(n, device=x.device)[None])
-            table = self._rope_table = (cos[0], sin[0])  # (n, d) each
+            table = tables[(x.dtype, x.device)] = (cos[0], sin[0])  # (n, d) each
         return table[0][position_ids], table[1][position_ids]
 
     @staticmethod
