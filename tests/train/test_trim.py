@@ -101,7 +101,9 @@ bf16_onednn = pytest.mark.skipif(
 @pytest.mark.slow
 @bf16_onednn
 def test_new_row_counts_do_not_grow_a_training_command():
-    assert growth_over_new_shapes() < 40e6  # uncapped: about 0.6 MiB a row count
+    # capped: 0.1 MiB a row count with avx512_bf16, 0.15 MiB with AMX (43-45 MB over the 300);
+    # uncapped (the twin): 0.6-0.85 MiB a row count (253 MB on the AMX CPU)
+    assert growth_over_new_shapes() < 80e6
 
 
 @pytest.mark.slow
