@@ -137,6 +137,7 @@ class EagleHead(nn.Module):
                 self.layer.input_layernorm = nn.Identity()
                 self.norm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(self.config)
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # (dtype, device) -> (cos, sin)
         # the target's embedding (and full LM head): on the meta device until attach_target
         # (random values first would only cost time: seconds for a 151,936-word vocabulary)
         self.embed_tokens = nn.Embedding(v, h, device="meta")
@@ -261,14 +262,12 @@ class EagleHead(nn.Module):
         doubled length grew without bound (validation of a Qwen head reached 24 GB)."""
         if torch.is_grad_enabled():
             return self.rotary_emb(x, position_ids)
-        tables = getattr(self, "_rope_tables", None)
-        if tables is None:
-            tables = self._rope_tables = {}
-        table = tables.get((x.dtype, x.device))
+        key = (x.dtype, x.device)
+        table = self._rope_tables.get(key)
         if table is None or table[0].shape[0] < bound:
             n = max(bound, 2 * (0 if table is None else table[0].shape[0]), 1024)
             cos, sin = self.rotary_emb(x, torch.arange(n, device=x.device)[None])
-            table = tables[(x.dtype, x.device)] = (cos[0], sin[0])  # (n, d) each
+            table = self._rope_tables[key] = (cos[0], sin[0])  # (n, d) each
         return table[0][position_ids], table[1][position_ids]
 
     @staticmethod
