@@ -429,7 +429,14 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
             used, why = int8_or_dense(module, kernels)
             if used == "dense":
                 print(f"draft weights: int8 dequantized ({why})")
-        if pkg.family.hf_model and kernels_in(loaded_target.model) == "packed":
-            apply_kernels(module, "auto")  # a draft LM's matmuls are the target's kind
+        if kernels_in(loaded_target.model) == "packed":
+            # a draft's matmuls are the target's kind: a few rows each (a head's weights
+            # are multiplied per drafted depth; the target's embedding and LM head, where a
+            # head shares them, are read as they are)
+            target = loaded_target.model
+            shared = () if pkg.family.hf_model else tuple(
+                m.weight for m in (target.get_input_embeddings(), target.get_output_embeddings())
+                if m is not None)
+            apply_kernels(module, "auto", shared)
     ids = draft_vocab_ids(settings.draft_vocab, pkg, loaded_target, vocab_size)
     return proposer_class(pkg.family).for_draft(module, pkg.head_config, vocab_size, settings, ids)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from draftsmith.data.attention import native_gqa
 from draftsmith.eval.decoding.batch_suffix import BatchSuffix
+from draftsmith.eval.decoding.kernels import packed_linear
 from draftsmith.eval.decoding.proposal import Proposal, Sampling
 from draftsmith.eval.decoding.proposers import (
     DraftLMProposer,
@@ -118,7 +119,7 @@ class BatchDraftLM(BatchDrafter):
         with native_gqa(self.device.type == "cpu" and ids.shape[1] > 1):
             h = self.decoder(input_ids=ids, **{self._cache_kw: self.slots.cache}, use_cache=True,
                              position_ids=pos, attention_mask=mask).last_hidden_state
-        logits = torch.nn.functional.linear(last_valid(h, valid), self.head).float()  # (B, Vd)
+        logits = packed_linear(last_valid(h, valid), self.head).float()  # (B, Vd)
         return logits if self.proposer.d2t is not None else fit_vocab(logits, self.vocab_size)
 
     def _first(self) -> Tensor:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
+from draftsmith.eval.decoding.kernels import PackedLinear, pack, packed_linear
 from draftsmith.heads.blocks import causal_allowed
 from draftsmith.heads.eagle import Eagle3Layer, EagleHead
 from draftsmith.heads.quantize import Int8Linear
@@ -42,15 +43,19 @@ class FusedLinear:
     """Several linears over the same input as one matmul; ``__call__`` returns their outputs in
     order. Plain ``nn.Linear`` weights and :class:`Int8Linear` weights are concatenated once (a
     second copy of those weights, beside the modules' own); any other module (int4, dynamic
-    int8) is called on its own."""
+    int8) is called on its own. Where the linears are oneDNN-prepacked
+    (:class:`~eval.decoding.kernels.PackedLinear`, ``apply_kernels``) the concatenated weight
+    is packed too."""
 
     def __init__(self, linears: Sequence[nn.Module]) -> None:
         self.linears = list(linears)
         self.sizes = [int(m.out_features) for m in self.linears]
-        self.kind, self.bias = "separate", None
-        if all(type(m) is nn.Linear for m in self.linears):
+        self.kind, self.bias, self.packed = "separate", None, None
+        if all(type(m) in (nn.Linear, PackedLinear) for m in self.linears):
             self.kind = "dense"
             self.weight = torch.cat([m.weight.detach() for m in self.linears])
+            if any(type(m) is PackedLinear for m in self.linears):
+                self.packed = pack(self.weight)
         elif all(type(m) is Int8Linear for m in self.linears):
             self.kind = "int8"
             self.weight = torch.cat([m.weight_int8 for m in self.linears]).contiguous()
@@ -66,7 +71,8 @@ class FusedLinear:
         if self.kind == "separate":
             return [m(x) for m in self.linears]
         if self.kind == "dense":
-            y = F.linear(x, self.weight, self.bias)
+            y = (F.linear(x, self.weight, self.bias) if self.packed is None
+                 else packed_linear(x, self.packed, self.bias))
         else:
             y = torch._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
             if self.bias is not None:
@@ -81,6 +87,8 @@ class FusedLinear:
         skip = sum(self.sizes[:start])
         if self.kind != "separate":
             part.weight = self.weight[skip:]
+            if self.packed is not None:  # a packed weight has no row views: pack the rows
+                part.packed = pack(part.weight)
             if self.kind == "int8":
                 part.scales = self.scales[skip:]
             if self.bias is not None:

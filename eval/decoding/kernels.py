@@ -56,7 +56,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         if keep_weight:
             self.weight = linear.weight
-        self.packed = _pack(linear.weight.detach())
+        self.packed = pack(linear.weight.detach())
 
     def __getattr__(self, name: str):
         packed = self.__dict__.get("packed")
@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
         dense = None if "weight" in self._parameters else self.weight
         super()._apply(fn, recurse)
         dense = self._parameters["weight"] if dense is None else fn(dense)
-        self.packed = _pack(dense.detach())
+        self.packed = pack(dense.detach())
         return self
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
@@ -84,16 +84,11 @@ class PackedLinear(nn.Module):
         new.register_buffer("bias", copy.deepcopy(self.bias, memo))
         if "weight" in self._parameters:
             new.weight = copy.deepcopy(self._parameters["weight"], memo)
-        new.packed = _pack(self.weight.detach().clone())
+        new.packed = pack(self.weight.detach().clone())
         return new.train(self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.packed.layout == torch._mkldnn:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        else:
-            y = F.linear(rows, self.packed, self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         how = "oneDNN prepacked" if self.packed.layout == torch._mkldnn else "not packed"
@@ -101,11 +96,27 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, {how}")
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` reordered for oneDNN, or itself where its dtype or device cannot be packed."""
     if packing_unsupported(weight.dtype, weight.device) is not None:
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight, HINT_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``packed = pack(weight)`` (any leading dims)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if packed.layout == torch._mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    else:
+        y = F.linear(rows, packed, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a oneDNN-reordered copy (:func:`pack` could pack it here)."""
+    return weight.layout == torch._mkldnn
 
 
 def check_kernels(value: object) -> str:
@@ -166,11 +177,16 @@ def probe(linear: nn.Linear) -> dict[str, list[float]]:
     return out
 
 
-def apply_kernels(model: nn.Module, kernels: str = "auto") -> tuple[str, str]:
+def apply_kernels(model: nn.Module, kernels: str = "auto",
+                  shared: tuple[torch.Tensor, ...] = ()) -> tuple[str, str]:
     """Pack ``model``'s linears as ``kernels`` says; returns ``(used, why)``, ``used`` one of
-    ``packed`` / ``default``. Call after the model has its final device and dtype."""
+    ``packed`` / ``default``. Call after the model has its final device and dtype. Linears
+    whose weight shares storage with one of ``shared`` (a head's LM head that is the target's
+    own) stay as they are: a packed copy would double that memory."""
     kernels = check_kernels(kernels)
-    layers = list(_linears(model))
+    owned = {w.untyped_storage().data_ptr() for w in shared}
+    layers = [(parent, name, linear) for parent, name, linear in _linears(model)
+              if linear.weight.untyped_storage().data_ptr() not in owned]
     if kernels == "default" or not layers:
         return "default", "kernels=default" if layers else "no nn.Linear modules"
     param = next(model.parameters())

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.data.attention import native_gqa
+from draftsmith.eval.decoding.kernels import PackedLinear, pack, packed_linear
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.target_model import TargetOutput, cache_kwarg, layer_masks, new_cache
 from draftsmith.eval.decoding.tree import DynamicTree
@@ -164,8 +165,10 @@ def head_rows(head: nn.Module, vocab_ids: torch.Tensor, vocab_size: int,
     scaled = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")
               if getattr(config, a, None) not in (None, 1, 1.0)]
     # an int8 / int4 LM head (heads.quantize.Int8Linear / Int4Linear, bias-free) gives its rows
-    # dequantized: the same logits up to rounding, in the decoding dtype
-    if not isinstance(head, (nn.Linear, Int8Linear, Int4Linear)) or head.bias is not None or scaled:
+    # dequantized: the same logits up to rounding, in the decoding dtype (a prepacked one, its
+    # plain rows)
+    if (not isinstance(head, (nn.Linear, PackedLinear, Int8Linear, Int4Linear))
+            or head.bias is not None or scaled):
         raise ValueError(f"the logits are not a bias-free linear map of the hidden state "
                          f"({scaled or type(head).__name__}): a draft vocabulary cannot be cut "
                          "from this LM head; use draft_vocab=full")
@@ -253,6 +256,8 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
             self.d2t = torch.as_tensor(vocab_ids).long().to(self.device)
             self._sub_head = head_rows(model.get_output_embeddings(), self.d2t, vocab_size,
                                        model.config)
+            if isinstance(model.get_output_embeddings(), PackedLinear):
+                self._sub_head = pack(self._sub_head)  # the rows packed as the model's are
             self._decoder = model.get_decoder()
             self._decoder_cache_kw = cache_kwarg(self._decoder)
 
@@ -276,7 +281,7 @@ class DraftLMProposer(DraftVocabMixin, Proposer):
                               **kwargs).last_hidden_state[0]  # (T, H)
         if last_only:
             h = h[-1:]
-        return torch.nn.functional.linear(h, self._sub_head).float()
+        return packed_linear(h, self._sub_head).float()
 
     def _step(self, ids: Sequence[int]) -> torch.Tensor:
         return self._forward(ids, last_only=True)[-1]  # (V',) after the last token

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.eval.decoding.eagle_step import EagleStep
+from draftsmith.eval.decoding.kernels import PackedLinear, pack, packed_linear
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import DraftVocabMixin, Proposer, head_rows
 from draftsmith.eval.decoding.target_model import TargetOutput, new_cache
@@ -81,6 +82,8 @@ class EagleProposer(DraftVocabMixin, Proposer):
             else:
                 self._sub_head = head_rows(head.lm_head, ids, vocab_size)
                 self.d2t = ids
+            if isinstance(head.lm_head, PackedLinear):  # the rows packed as the head was
+                self._sub_head = pack(self._sub_head)
         self.name = "eagle-tree" if tree else "eagle"
         self.step = EagleStep.of(head) if fused else None
         self.cache = None
@@ -119,7 +122,7 @@ class EagleProposer(DraftVocabMixin, Proposer):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._sub_head is not None:
             feats = self.head.predicted_features(hidden)  # (the eagle3 layout's output norm)
-            return torch.nn.functional.linear(feats, self._sub_head).float()
+            return packed_linear(feats, self._sub_head).float()
         return self.head.compute_logits(hidden).float()
 
     # ----- protocol --------------------------------------------------------------------------

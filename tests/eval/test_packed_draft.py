@@ -1,0 +1,85 @@
+"""A draft packed for oneDNN (eval/draft.py packs a head's own linears where the target's are
+packed, eval/decoding/kernels.py) computes what the plain head computes: the fused step's
+concatenated weights, the head's other linears and a cut draft vocabulary all run packed, and a
+target weight the head shares stays the target's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from draftsmith.eval.decoding.eagle_step import EagleStep
+from draftsmith.eval.decoding.kernels import (
+    PackedLinear,
+    apply_kernels,
+    is_packed,
+    packing_unsupported,
+)
+from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from tests.eval.test_eagle_step import VOCAB, both_paths, make_head
+
+pytestmark = pytest.mark.skipif(packing_unsupported(torch.float32, torch.device("cpu")) is not None,
+                                reason="oneDNN cannot pack fp32 here")
+
+
+def packed_copy(head: nn.Module) -> nn.Module:
+    packed = copy.deepcopy(head)
+    assert apply_kernels(packed, "packed")[0] == "packed"
+    return packed
+
+
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_a_packed_head_steps_as_the_plain_one(layout):
+    head = make_head(layout, bias=True)
+    packed = packed_copy(head)
+    step = EagleStep.of(packed)
+    assert is_packed(step.qkv.packed) and is_packed(step.gate_up.packed)
+    assert isinstance(step.o_proj, PackedLinear) and isinstance(step.down, PackedLinear)
+    ref = both_paths(head, EagleStep.of(head))[1]
+    got_step, got_modules = both_paths(packed, step)[::-1]
+    for a, b, c in zip(ref, got_step, got_modules):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+def test_twin_a_stale_packed_weight_is_caught():
+    # the comparison above must see a fused step that multiplies by packed weights other than
+    # the head's: pack a changed copy of q/k/v
+    head = make_head("eagle3")
+    step = EagleStep.of(packed_copy(head))
+    step.qkv.packed = torch.ops.mkldnn._reorder_linear_weight(step.qkv.weight * 1.5, 16)
+    ref, got = both_paths(head, EagleStep.of(head))[1], both_paths(head, step)[1]
+    assert not torch.allclose(ref[0], got[0], atol=1e-3)
+
+
+def test_a_cut_draft_vocabulary_is_packed_and_gives_the_same_logits():
+    head = make_head("eagle3")
+    ids = torch.arange(0, VOCAB, 3)
+    plain = EagleProposer(head, VOCAB, vocab_ids=ids)
+    packed = EagleProposer(packed_copy(head), VOCAB, vocab_ids=ids)
+    assert is_packed(packed._sub_head) and not is_packed(plain._sub_head)
+    hidden = torch.randn(1, 4, head.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed._logits(hidden), plain._logits(hidden),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_kv_rows_of_a_packed_fused_weight_are_packed_anew():
+    head = make_head("eagle3")
+    step = EagleStep.of(packed_copy(head))
+    kv = step.qkv.tail(1)
+    x = torch.randn(5, step.qkv.weight.shape[1])
+    with torch.inference_mode():
+        for a, b in zip(kv(x), step.qkv(x)[1:]):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_weight_shared_with_the_target_is_not_packed():
+    head = make_head("eagle3")
+    shared = head.layer.mlp.down_proj.weight
+    apply_kernels(head, "packed", shared=(shared,))
+    assert type(head.layer.mlp.down_proj) is nn.Linear
+    assert head.layer.mlp.down_proj.weight is shared
+    assert isinstance(head.layer.mlp.up_proj, PackedLinear)
