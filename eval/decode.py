@@ -52,6 +52,7 @@ from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.eval.draft import (
     TreeMode,
     build_proposer,
+    check_draft_kernels,
     load_draft,
     parse_draft_vocab,
     record_at,
@@ -118,6 +119,7 @@ def validate(cfg: DictConfig) -> None:
                          "head's layer as plain tensor ops) or false (its transformers modules)")
     check_retime(cfg.get("retime", "auto"))
     check_kernels(cfg.get("kernels", "auto"))
+    check_draft_kernels(cfg.get("draft_kernels", "auto"))
     if cfg.get("suffix", True) not in (True, False):
         raise ValueError(f"suffix={cfg.get('suffix')!r}: allowed true (a package drafts beside "
                          "the suffix proposer, per round by measured rates) or false")
@@ -247,7 +249,8 @@ def make_proposer(cfg: DictConfig, loaded: Any, records: list[dict] | None = Non
         if records:
             plan, shadow = retimed(cfg, pkg, plan, loaded, records[0]["prompt_ids"])
         vocab = int(loaded.model.config.vocab_size)
-        proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype)
+        proposer = build_proposer(pkg, plan, loaded, vocab, cfg.device, cfg.dtype,
+                                  cfg.get("draft_kernels", "auto"))
         if cfg.get("compile_draft", False):
             if not hasattr(proposer, "compile"):
                 raise ValueError(f"compile_draft=true applies to EAGLE heads, not to a "

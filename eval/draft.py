@@ -407,15 +407,30 @@ def draft_vocab_ids(size: int | None, pkg: Any, loaded_target: Any,
     return frequent_ids(package_token_counts(pkg.path, vocab_size), size, eos)
 
 
+DRAFT_KERNELS = ("auto", "default")
+
+
+def check_draft_kernels(value: object) -> str:
+    """``draft_kernels`` as one of :data:`DRAFT_KERNELS`."""
+    text = str(value).lower()
+    if text not in DRAFT_KERNELS:
+        raise ValueError(f"draft_kernels={value!r}: allowed auto (the draft's linears prepacked "
+                         "where the target's are) or default (torch's own)")
+    return text
+
+
 def proposer_class(family: Any) -> type:
     """The family's proposer class (``DraftFamily.proposer``, a dotted path)."""
     return load_object(family.proposer)
 
 
 def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_size: int,
-                   device: str = "cpu", dtype: str = "float32") -> Any:
+                   device: str = "cpu", dtype: str = "float32",
+                   draft_kernels: str = "auto") -> Any:
     """The family's proposer for ``pkg`` drafting as ``settings`` say (module moved to
-    ``device`` and ``dtype``)."""
+    ``device`` and ``dtype``). ``draft_kernels``: ``auto`` packs the draft's own linears for
+    oneDNN where the target's are packed (and measured faster for the draft's largest one),
+    ``default`` leaves them as they are."""
     scheme = ((getattr(pkg, "info", None) or {}).get("quantization") or {}).get("scheme")
     if scheme and torch.device(device).type != "cpu":
         raise ValueError(f"{pkg.path} is an {scheme} draft (scripts/quantize.py), measured on the "
@@ -429,7 +444,8 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
             used, why = int8_or_dense(module, kernels)
             if used == "dense":
                 print(f"draft weights: int8 dequantized ({why})")
-        if kernels_in(loaded_target.model) == "packed":
+        if check_draft_kernels(draft_kernels) == "auto" and kernels_in(
+                loaded_target.model) == "packed":
             # a draft's matmuls are the target's kind: a few rows each (a head's weights
             # are multiplied per drafted depth; the target's embedding and LM head, where a
             # head shares them, are read as they are)

@@ -42,6 +42,7 @@ from draftsmith.data.dtype import matmul_rates, resolve_dtype
 from draftsmith.data.prompts import check_prompt_set
 from draftsmith.eval import decode, session
 from draftsmith.eval.checks import check_out_dir, check_sampling, integer
+from draftsmith.eval.decoding.kernels import kernels_in
 from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.stats import RoundTime
 from draftsmith.eval.machine import environment
@@ -78,7 +79,15 @@ def decode_config(cfg: DictConfig, method: str) -> DictConfig:
         "dtype": cfg.dtype, "device": cfg.device, "seed": int(cfg.seed), "out": None,
         "compile_draft": cfg.compile_draft if trained else False,
         "fused_draft": cfg.fused_draft if trained else True,
+        "draft_kernels": cfg.draft_kernels if trained else "auto",
         **({"tree": str(cfg.tree)} if trained else {})})
+
+
+def _draft_kernels(proposer: Any) -> str | None:
+    """``packed`` / ``default``: the trained draft's own linears (None: no trained draft)."""
+    inner = getattr(proposer, "inner", proposer)
+    module = getattr(inner, "head", None) or getattr(inner, "model", None)
+    return kernels_in(module) if isinstance(module, torch.nn.Module) else None
 
 
 def _validate(cfg: DictConfig) -> list[str]:
@@ -183,6 +192,7 @@ def run_method(cfg: DictConfig, method: str, loaded: Any, records: list[dict],
            "draft_kind": proposer.name, "compile_draft": bool(dcfg.compile_draft),
            # whether the EAGLE head ran as the fused step (eval/decoding/eagle_step.py)
            "fused_draft": getattr(getattr(proposer, "inner", proposer), "step", None) is not None,
+           "draft_kernels": _draft_kernels(proposer),
            "k": k, "k_source": k_source,
            "tree_size": getattr(proposer, "total_tokens", None) if proposer.tree else None,
            **summarize(dec.round_log, plain.round_log),
@@ -248,7 +258,8 @@ def markdown(results: dict[str, dict]) -> str:
             lines.append(
                 f"| {r['method']} ({r['draft_kind']}"
                 f"{', torch.compile' if r.get('compile_draft') else ''}"
-                f"{', fused step' if r.get('fused_draft') else ''}) | "
+                f"{', fused step' if r.get('fused_draft') else ''}"
+                f"{', packed' if r.get('draft_kernels') == 'packed' else ''}) | "
                 f"{r['k']} ({r['k_source']}) | "
                 f"{_f(r.get('nodes_per_round'))} | {_f(r.get('draft_ms'))} | "
                 f"{_f(r.get('verify_ms'))} | {_f(r.get('bookkeeping_ms'))} | "

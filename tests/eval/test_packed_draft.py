@@ -83,3 +83,41 @@ def test_a_weight_shared_with_the_target_is_not_packed():
     assert type(head.layer.mlp.down_proj) is nn.Linear
     assert head.layer.mlp.down_proj.weight is shared
     assert isinstance(head.layer.mlp.up_proj, PackedLinear)
+
+
+@pytest.mark.real
+def test_the_release_is_packed_where_the_target_is_and_drafts_the_same(real_target, monkeypatch):
+    # build_proposer packs the head's own linears when the target's are packed (draft_kernels
+    # auto; the probe forced to prefer packing, as it measures on an AVX-512 / AMX CPU), and
+    # leaves them with draft_kernels=default; both decode the same tokens and accept as many
+    # drafts, up to a near tie that packing's rounding could flip
+    from dataclasses import replace
+    from pathlib import Path
+
+    from draftsmith.eval.decoding import kernels
+    from draftsmith.eval.decoding.decoder import SpeculativeDecoder
+    from draftsmith.eval.decoding.kernels import kernels_in
+    from draftsmith.eval.draft import build_proposer, load_draft, settle
+    from draftsmith.eval.session import encode_prompt
+
+    monkeypatch.setattr(kernels, "probe", lambda linear: {"rows": [1, 8], "default": [2.0, 2.0],
+                                                          "packed": [1.0, 1.0]})
+    target = replace(real_target, model=copy.deepcopy(real_target.model).float().eval())
+    apply_kernels(target.model, "packed")
+    release = Path(__file__).resolve().parents[2] / "releases/eagle3-smollm2-135m"
+    vocab = int(target.model.config.vocab_size)
+    got = {}
+    for how in ("auto", "default"):
+        pkg = load_draft(release, target)
+        plan = settle({"k": 3, "tree": "chain", "tree_topk": 8, "tree_size": 16,
+                       "medusa_branching": None, "draft_vocab": 8192, "device": "cpu",
+                       "dtype": "float32"}, pkg, measured=False)
+        eagle = build_proposer(pkg, plan, target, vocab, draft_kernels=how)
+        assert kernels_in(eagle.head) == ("packed" if how == "auto" else "default")
+        assert is_packed(eagle._sub_head) == (how == "auto")
+        dec = SpeculativeDecoder(target.model, eagle, k=3, adaptive=False, fallback=False)
+        out = dec.generate(encode_prompt(target.tokenizer, "Write a haiku about rain."),
+                           max_new_tokens=24)
+        got[how] = out.output_ids, out.stats.accepted
+    assert got["auto"][0] == got["default"][0]
+    assert got["default"][1] > 0 and abs(got["auto"][1] - got["default"][1]) <= 2, got
