@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.eval.decoding.eagle_step import EagleStep
-from draftsmith.eval.decoding.kernels import PackedLinear, pack, packed_linear
+from draftsmith.eval.decoding.kernels import kernels_in, pack, packed_linear
 from draftsmith.eval.decoding.proposal import DecodeContext, Proposal
 from draftsmith.eval.decoding.proposers import DraftVocabMixin, Proposer, head_rows
 from draftsmith.eval.decoding.target_model import TargetOutput, new_cache
@@ -82,8 +82,8 @@ class EagleProposer(DraftVocabMixin, Proposer):
             else:
                 self._sub_head = head_rows(head.lm_head, ids, vocab_size)
                 self.d2t = ids
-            if isinstance(head.lm_head, PackedLinear):  # the rows packed as the head was
-                self._sub_head = pack(self._sub_head)
+            if kernels_in(head) == "packed":  # the rows packed as the head's linears are (an
+                self._sub_head = pack(self._sub_head)  # int8 LM head's rows come dequantized)
         self.name = "eagle-tree" if tree else "eagle"
         self.step = EagleStep.of(head) if fused else None
         self.cache = None

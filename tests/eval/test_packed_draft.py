@@ -18,6 +18,7 @@ from draftsmith.eval.decoding.kernels import (
     packing_unsupported,
 )
 from draftsmith.eval.decoding.proposers_eagle import EagleProposer
+from draftsmith.heads.quantize import quantize, record
 from tests.eval.test_eagle_step import VOCAB, both_paths, make_head
 
 pytestmark = pytest.mark.skipif(packing_unsupported(torch.float32, torch.device("cpu")) is not None,
@@ -60,6 +61,20 @@ def test_a_cut_draft_vocabulary_is_packed_and_gives_the_same_logits():
     plain = EagleProposer(head, VOCAB, vocab_ids=ids)
     packed = EagleProposer(packed_copy(head), VOCAB, vocab_ids=ids)
     assert is_packed(packed._sub_head) and not is_packed(plain._sub_head)
+    hidden = torch.randn(1, 4, head.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed._logits(hidden), plain._logits(hidden),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_an_int8_heads_cut_vocabulary_is_packed_from_its_dequantized_rows():
+    # as scripts/quantize.py leaves a release: int8 layers and LM head, the fc in 16 bits
+    head = make_head("eagle3")
+    quantize(head, "int8", record(head, "int8", ("fc",))["modules"])
+    ids = torch.arange(1, VOCAB, 2)
+    plain = EagleProposer(head, VOCAB, vocab_ids=ids)
+    packed = EagleProposer(packed_copy(head), VOCAB, vocab_ids=ids)
+    assert isinstance(packed.head.fc, PackedLinear) and is_packed(packed._sub_head)
     hidden = torch.randn(1, 4, head.hidden_size)
     with torch.inference_mode():
         torch.testing.assert_close(packed._logits(hidden), plain._logits(hidden),
