@@ -226,7 +226,7 @@ def replan(cfg: Mapping[str, Any], pkg: Any, plan: Any, loaded: Any,
     nodes = sorted({int(g["total_tokens"]) for g in tree_grid(record)}) if trees else []
     vocab = int(loaded.model.config.vocab_size)
     chain = build_proposer(pkg, replace(plan, tree=False), loaded, vocab, str(cfg["device"]),
-                           str(cfg["dtype"]))
+                           str(cfg["dtype"]), str(cfg.get("draft_kernels", "auto")))
     local = monotone(measure_costs(Target(loaded.model, chain.layer_ids), chain, prompt_ids,
                                    range(len(alpha) + 1), repeats=3, tree_nodes=nodes))
     shapes = predict(record, local, trees)
