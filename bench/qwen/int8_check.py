@@ -2,6 +2,10 @@
 (the training run's own validation, under its autocast), from the repository root:
 
     python bench/qwen/int8_check.py outputs/eagle3_qwen_coder/draft
+    python bench/qwen/int8_check.py outputs/eagle3_qwen_coder_3k/draft data.num_conversations=3000
+
+(overrides after the package name go to the recipe, so another run's data config reads its own
+feature cache).
 """
 import json
 import sys
@@ -12,12 +16,12 @@ from hydra import compose, initialize_config_dir
 from draftsmith.heads.quantize import quantize, record
 from draftsmith.train.distill import DistillRecipe
 
-pkg = sys.argv[1]
+pkg, extra = sys.argv[1], sys.argv[2:]
 with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):
     cfg = compose("distill", overrides=["experiment=eagle3_qwen_coder", "name=int8val",
                                         "out_dir=/tmp/int8val", f"draft.init_from={pkg}",
                                         "train.resume=false", "train.eval_batches=64",
-                                        "logging=none"])
+                                        "logging=none", *extra])
 recipe = DistillRecipe(cfg)
 recipe.setup()
 float_val = recipe.validate()
