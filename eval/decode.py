@@ -43,7 +43,7 @@ from draftsmith.eval.checks import (
     number,
 )
 from draftsmith.eval.decoding.batch_drafters import batch_drafter_for
-from draftsmith.eval.decoding.kernels import check_kernels, kernels_in
+from draftsmith.eval.decoding.kernels import check_draft_kernels, check_kernels, kernels_in
 from draftsmith.eval.decoding.proposers import PlainProposer, PromptLookupProposer, Proposer
 from draftsmith.eval.decoding.proposers_suffix import SuffixProposer
 from draftsmith.eval.decoding.shadow import Shadow
@@ -52,7 +52,6 @@ from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.eval.draft import (
     TreeMode,
     build_proposer,
-    check_draft_kernels,
     load_draft,
     parse_draft_vocab,
     record_at,

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from draftsmith.eval.decoding.kernels import apply_kernels, int8_or_dense, kernels_in
+from draftsmith.eval.decoding.kernels import int8_or_dense, pack_draft
 from draftsmith.eval.decoding.tree import check_tree_draw
 from draftsmith.heads.family import FAMILIES
 from draftsmith.heads.family_base import TreeKind, load_object
@@ -407,18 +407,6 @@ def draft_vocab_ids(size: int | None, pkg: Any, loaded_target: Any,
     return frequent_ids(package_token_counts(pkg.path, vocab_size), size, eos)
 
 
-DRAFT_KERNELS = ("auto", "default")
-
-
-def check_draft_kernels(value: object) -> str:
-    """``draft_kernels`` as one of :data:`DRAFT_KERNELS`."""
-    text = str(value).lower()
-    if text not in DRAFT_KERNELS:
-        raise ValueError(f"draft_kernels={value!r}: allowed auto (the draft's linears prepacked "
-                         "where the target's are) or default (torch's own)")
-    return text
-
-
 def proposer_class(family: Any) -> type:
     """The family's proposer class (``DraftFamily.proposer``, a dotted path)."""
     return load_object(family.proposer)
@@ -444,15 +432,7 @@ def build_proposer(pkg: Any, settings: DraftSettings, loaded_target: Any, vocab_
             used, why = int8_or_dense(module, kernels)
             if used == "dense":
                 print(f"draft weights: int8 dequantized ({why})")
-        if check_draft_kernels(draft_kernels) == "auto" and kernels_in(
-                loaded_target.model) == "packed":
-            # a draft's matmuls are the target's kind: a few rows each (a head's weights
-            # are multiplied per drafted depth; the target's embedding and LM head, where a
-            # head shares them, are read as they are)
-            target = loaded_target.model
-            shared = () if pkg.family.hf_model else tuple(
-                m.weight for m in (target.get_input_embeddings(), target.get_output_embeddings())
-                if m is not None)
-            apply_kernels(module, "auto", shared)
+        pack_draft(module, loaded_target.model, draft_kernels,
+                   shares_target=not pkg.family.hf_model)
     ids = draft_vocab_ids(settings.draft_vocab, pkg, loaded_target, vocab_size)
     return proposer_class(pkg.family).for_draft(module, pkg.head_config, vocab_size, settings, ids)

@@ -251,3 +251,29 @@ def int8_or_dense(module: nn.Module, kernels: str = "auto") -> tuple[str, str]:
         return "int8", why
     dequantize(module)
     return "dense", why
+
+
+DRAFT_KERNELS = ("auto", "default")
+
+
+def check_draft_kernels(value: object) -> str:
+    """``draft_kernels`` as one of :data:`DRAFT_KERNELS`."""
+    text = str(value).lower()
+    if text not in DRAFT_KERNELS:
+        raise ValueError(f"draft_kernels={value!r}: allowed auto (the draft's linears prepacked "
+                         "where the target's are) or default (torch's own)")
+    return text
+
+
+def pack_draft(module: nn.Module, target: nn.Module, draft_kernels: str = "auto",
+               shares_target: bool = True) -> None:
+    """Pack a draft's own linears (``draft_kernels=auto``) where ``target``'s are packed: its
+    matmuls are the target's kind, a few rows each, and a head multiplies its weights once per
+    drafted depth. With ``shares_target`` (a head reading the target's embedding and LM head)
+    the weights it shares with ``target`` are read as they are."""
+    if check_draft_kernels(draft_kernels) != "auto" or kernels_in(target) != "packed":
+        return
+    shared = () if not shares_target else tuple(
+        m.weight for m in (target.get_input_embeddings(), target.get_output_embeddings())
+        if m is not None)
+    apply_kernels(module, "auto", shared)
