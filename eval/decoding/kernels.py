@@ -119,13 +119,18 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.layout == torch._mkldnn
 
 
+def _one_of(key: str, value: object, choices: tuple[str, ...], allowed: str) -> str:
+    """``value`` lower-cased, refused (naming ``allowed``) unless one of ``choices``."""
+    text = str(value).lower()
+    if text not in choices:
+        raise ValueError(f"{key}={value!r}: allowed {allowed}")
+    return text
+
+
 def check_kernels(value: object) -> str:
     """``kernels`` as one of :data:`KERNELS`."""
-    text = str(value).lower()
-    if text not in KERNELS:
-        raise ValueError(f"kernels={value!r}: allowed auto (oneDNN prepacked linears where "
-                         "measured faster here), packed (always) or default (torch's own)")
-    return text
+    return _one_of("kernels", value, KERNELS, "auto (oneDNN prepacked linears where measured "
+                   "faster here), packed (always) or default (torch's own)")
 
 
 @functools.lru_cache(maxsize=16)
@@ -258,11 +263,8 @@ DRAFT_KERNELS = ("auto", "default")
 
 def check_draft_kernels(value: object) -> str:
     """``draft_kernels`` as one of :data:`DRAFT_KERNELS`."""
-    text = str(value).lower()
-    if text not in DRAFT_KERNELS:
-        raise ValueError(f"draft_kernels={value!r}: allowed auto (the draft's linears prepacked "
-                         "where the target's are) or default (torch's own)")
-    return text
+    return _one_of("draft_kernels", value, DRAFT_KERNELS, "auto (the draft's linears "
+                   "prepacked where the target's are) or default (torch's own)")
 
 
 def pack_draft(module: nn.Module, target: nn.Module, draft_kernels: str = "auto",

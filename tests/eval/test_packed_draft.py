@@ -31,6 +31,18 @@ def packed_copy(head: nn.Module) -> nn.Module:
     return packed
 
 
+def cut_vocabulary_logits_agree(head: nn.Module, ids: torch.Tensor) -> tuple:
+    """Proposers over ``ids`` with ``head`` and its packed copy, checked to give the same
+    logits; returned (plain, packed)."""
+    plain = EagleProposer(head, VOCAB, vocab_ids=ids)
+    packed = EagleProposer(packed_copy(head), VOCAB, vocab_ids=ids)
+    hidden = torch.randn(1, 4, head.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed._logits(hidden), plain._logits(hidden),
+                                   atol=1e-5, rtol=1e-5)
+    return plain, packed
+
+
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
 def test_a_packed_head_steps_as_the_plain_one(layout):
     head = make_head(layout, bias=True)
@@ -57,28 +69,16 @@ def test_twin_a_stale_packed_weight_is_caught():
 
 def test_a_cut_draft_vocabulary_is_packed_and_gives_the_same_logits():
     head = make_head("eagle3")
-    ids = torch.arange(0, VOCAB, 3)
-    plain = EagleProposer(head, VOCAB, vocab_ids=ids)
-    packed = EagleProposer(packed_copy(head), VOCAB, vocab_ids=ids)
+    plain, packed = cut_vocabulary_logits_agree(head, torch.arange(0, VOCAB, 3))
     assert is_packed(packed._sub_head) and not is_packed(plain._sub_head)
-    hidden = torch.randn(1, 4, head.hidden_size)
-    with torch.inference_mode():
-        torch.testing.assert_close(packed._logits(hidden), plain._logits(hidden),
-                                   atol=1e-5, rtol=1e-5)
 
 
 def test_an_int8_heads_cut_vocabulary_is_packed_from_its_dequantized_rows():
     # as scripts/quantize.py leaves a release: int8 layers and LM head, the fc in 16 bits
     head = make_head("eagle3")
     quantize(head, "int8", record(head, "int8", ("fc",))["modules"])
-    ids = torch.arange(1, VOCAB, 2)
-    plain = EagleProposer(head, VOCAB, vocab_ids=ids)
-    packed = EagleProposer(packed_copy(head), VOCAB, vocab_ids=ids)
+    _, packed = cut_vocabulary_logits_agree(head, torch.arange(1, VOCAB, 2))
     assert isinstance(packed.head.fc, PackedLinear) and is_packed(packed._sub_head)
-    hidden = torch.randn(1, 4, head.hidden_size)
-    with torch.inference_mode():
-        torch.testing.assert_close(packed._logits(hidden), plain._logits(hidden),
-                                   atol=1e-5, rtol=1e-5)
 
 
 def test_kv_rows_of_a_packed_fused_weight_are_packed_anew():
