@@ -35,6 +35,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 import torch
@@ -118,9 +119,16 @@ def _cut(state: dict, info: dict, src: Path, size: int) -> dict:
     return state
 
 
-def recipe_steps(name: str, out: str | None = None) -> list[tuple[list[str], str | None]]:
-    """The commands of the recipe ``conf/release/<name>.yaml`` in order: (argv, the file the step
-    needs or None); ``out`` replaces the recipe's release folder."""
+class Step(NamedTuple):
+    """One recipe command: skipped when ``needs`` (a file) is absent or ``unless`` exists."""
+    argv: list[str]
+    needs: str | None = None
+    unless: str | None = None
+
+
+def recipe_steps(name: str, out: str | None = None) -> list[Step]:
+    """The commands of the recipe ``conf/release/<name>.yaml`` in order; ``out`` replaces the
+    recipe's release folder."""
     path = RECIPES / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in RECIPES.glob("*.yaml"))
@@ -134,19 +142,24 @@ def recipe_steps(name: str, out: str | None = None) -> list[tuple[list[str], str
                              f"not {sorted(step)}")
         argv = ([str(Path(sys.executable).parent / TRAIN[0]), *TRAIN[1:], *step["train"]]
                 if "train" in step else [sys.executable, *step["run"]])
-        steps.append(([str(a).replace("{out}", out) for a in argv], step.get("needs")))
+        steps.append(Step([str(a).replace("{out}", out) for a in argv], step.get("needs"),
+                          step.get("unless")))
     return steps
 
 
 def run_recipe(name: str, out: str | None = None, dry_run: bool = False) -> None:
-    """Run the recipe ``name`` from the repository root, step by step (``dry_run``: print only)."""
+    """Run the recipe ``name`` from the repository root, step by step (``dry_run``: print only).
+    A step with ``unless: FILE`` is skipped once FILE exists: a run that a later step continues
+    (a training resumed with more steps) is not asked to stop short of where it got."""
     steps = recipe_steps(name, out)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    for i, (argv, needs) in enumerate(steps, 1):
-        print(f"\n=== recipe={name} step {i}/{len(steps)}\n$ {shlex.join(argv)}", flush=True)
-        if needs is not None and not (REPO / needs).is_file():
-            print(f"skipped: it needs {needs}, which is absent", flush=True)
-        elif not dry_run and subprocess.run(argv, cwd=REPO, env=env, check=False).returncode:
+    for i, step in enumerate(steps, 1):
+        print(f"\n=== recipe={name} step {i}/{len(steps)}\n$ {shlex.join(step.argv)}", flush=True)
+        if step.needs is not None and not (REPO / step.needs).is_file():
+            print(f"skipped: it needs {step.needs}, which is absent", flush=True)
+        elif step.unless is not None and (REPO / step.unless).exists():
+            print(f"skipped: {step.unless} exists (this step has run)", flush=True)
+        elif not dry_run and subprocess.run(step.argv, cwd=REPO, env=env, check=False).returncode:
             sys.exit(f"recipe={name} stopped: step {i} failed; fix it and run the same command "
                      "again to resume")
 

@@ -149,7 +149,7 @@ def test_a_release_keeps_its_folders_card_not_its_sources(tmp_path):
 def test_a_release_recipe_is_its_commands_in_order(tmp_path, capsys):
     out = str(tmp_path / "rel")
     steps = recipe_steps("eagle3-smollm2-135m", out=out)
-    argvs = [argv for argv, _ in steps]
+    argvs = [step.argv for step in steps]
     trains = [argv for argv in argvs if "train/distill.py" in argv]
     assert len(trains) == 2 and all(Path(argv[0]).name == "accelerate" for argv in trains)
     assert "experiment=eagle3_cpu" in trains[0] and "name=eagle3_engine" in trains[0]
@@ -163,6 +163,25 @@ def test_a_release_recipe_is_its_commands_in_order(tmp_path, capsys):
     assert not Path(out).exists()
     with pytest.raises(ValueError, match="there is no conf/release/nope.yaml"):
         recipe_steps("nope")
+
+
+def test_a_recipe_step_with_unless_is_skipped_once_its_file_exists(tmp_path, monkeypatch, capsys):
+    """A recipe rerun after a later step continued a training run (more steps on the same
+    checkpoints) must not rerun the earlier, shorter step: the trainer would refuse it."""
+    import draftsmith.scripts.release as rel
+
+    (tmp_path / "r.yaml").write_text(
+        "name: r\nout: rel\nsteps:\n"
+        "  - run: [-c, \"open('one.txt', 'a').write('x')\"]\n    unless: one.txt\n"
+        "  - run: [-c, \"open('two.txt', 'a').write('x')\"]\n")
+    monkeypatch.setattr(rel, "RECIPES", tmp_path)
+    monkeypatch.setattr(rel, "REPO", tmp_path)
+    assert [s.unless for s in recipe_steps("r")] == ["one.txt", None]
+    run_recipe("r")
+    run_recipe("r")
+    assert (tmp_path / "one.txt").read_text() == "x"  # the second run skipped it
+    assert (tmp_path / "two.txt").read_text() == "xx"
+    assert "skipped: one.txt exists" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("folder", sorted(p for p in COMMITTED.parent.iterdir()
