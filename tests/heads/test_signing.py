@@ -189,7 +189,8 @@ def test_release_keys_are_trusted_by_default():
     keys = sorted(RELEASE_KEYS.glob("*.pub"))
     assert [k.name for k in keys] == ["draftsmith-release-1.pub", "draftsmith-release-2.pub",
                                       "draftsmith-release-3.pub", "draftsmith-release-4.pub",
-                                      "draftsmith-release-5.pub", "draftsmith-release.pub"]
+                                      "draftsmith-release-5.pub", "draftsmith-release-6.pub",
+                                      "draftsmith-release.pub"]
     assert all(b"PRIVATE" not in p.read_bytes() for p in RELEASE_KEYS.parent.rglob("*")
                if p.is_file() and p.suffix in (".pub", ".pem", ".key"))  # public keys only
     from draftsmith.heads.signing import trusted_public_keys
