@@ -136,7 +136,11 @@ def recipe_steps(name: str, out: str | None = None) -> list[Step]:
     spec = OmegaConf.to_container(OmegaConf.load(path))
     out = str(out or spec["out"])
     steps = []
-    for step in spec["steps"]:
+    for i, step in enumerate(spec["steps"], 1):
+        unknown = sorted(set(step) - {"train", "run", "needs", "unless"})
+        if unknown:
+            raise ValueError(f"{path}: step {i} has unknown keys {unknown}; a step takes train or "
+                             "run, and optionally needs and unless")
         if ("train" in step) == ("run" in step):
             raise ValueError(f"{path}: a step has either train: [overrides] or run: [command], "
                              f"not {sorted(step)}")

@@ -184,6 +184,17 @@ def test_a_recipe_step_with_unless_is_skipped_once_its_file_exists(tmp_path, mon
     assert "skipped: one.txt exists" in capsys.readouterr().out
 
 
+def test_a_recipe_step_with_a_misspelt_key_is_refused_by_name(tmp_path, monkeypatch):
+    """A misspelt `unless` would otherwise be ignored and the step rerun."""
+    import draftsmith.scripts.release as rel
+
+    (tmp_path / "r.yaml").write_text("name: r\nout: rel\nsteps:\n"
+                                     "  - run: [-c, pass]\n    unles: one.txt\n")
+    monkeypatch.setattr(rel, "RECIPES", tmp_path)
+    with pytest.raises(ValueError, match=r"step 1 has unknown keys \['unles'\]"):
+        recipe_steps("r")
+
+
 @pytest.mark.parametrize("folder", sorted(p for p in COMMITTED.parent.iterdir()
                                            if p.is_dir() and p.name != "keys"),
                          ids=lambda p: p.name)
