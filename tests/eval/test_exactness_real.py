@@ -206,6 +206,19 @@ def test_only_and_the_per_round_hybrid(tiny_setup):
                                 tiny_setup["loaded"])
 
 
+def test_only_takes_full_names_and_refuses_names_that_match_nothing(tiny_setup):
+    """A name with its draft (``eagle-chain@untrained``) selects that one; a name that matches
+    no proposer is refused with the names there are, not silently skipped (a run that then
+    checked plain decoding alone would look like a pass)."""
+    res = exactness.run_overrides(_tiny_overrides(tiny_setup, "only=[eagle-chain@untrained]",
+                                                  "suffix=false"), tiny_setup["loaded"])
+    assert set(res["proposers"]) == {"eagle-chain@untrained"}
+    with pytest.raises(ValueError, match=r"\['eagle-chain@other'\] name no proposer.*"
+                                         "eagle-chain@untrained"):
+        exactness.run_overrides(_tiny_overrides(tiny_setup, "only=[plain,eagle-chain@other]"),
+                                tiny_setup["loaded"])
+
+
 def test_bad_settings_are_rejected(tiny_setup):
     with pytest.raises(ValueError, match="min_fraction"):
         exactness.run_overrides(_tiny_overrides(tiny_setup, "min_fraction=1.5"),
