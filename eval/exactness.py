@@ -9,7 +9,8 @@ EOS ids). Every prompt is then decoded at temperature 0 through :class:`Speculat
 plain decoding (K = 0), prompt lookup, the suffix proposer and, per draft package, its proposers
 (draft LM chain, Medusa tree, EAGLE chain and EAGLE dynamic tree), each also beside the suffix
 proposer: both proposals merged into one tree every round (``suffix_modes=[merge]``) and the
-per-round choice decode.py makes (``auto``). ``only=[names]`` checks some of them. With
+per-round choice decode.py makes (``auto``). ``only=[names]`` checks some of them (a full
+name, ``eagle-tree@DRAFT``, or the part before ``@`` for every draft). With
 ``drafts=[]`` untrained stand-ins are built in-process (a draft LM copied from target layers,
 fresh Medusa heads, a fresh EAGLE head): greedy exactness does not depend on draft quality.
 
