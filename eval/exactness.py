@@ -197,11 +197,12 @@ def build_proposers(cfg: DictConfig, loaded: Any) -> list[tuple[str, Proposer]]:
     if len(set(names)) != len(names):
         raise ValueError(f"two drafts share a folder name ({names}); give folders distinct names")
     only = _as_list(cfg.get("only"))
-    unknown = [o for o in only if not any(o in (n, n.split("@")[0]) for n in names)]
+    selectors = {n: {n, n.split("@")[0]} for n in names}  # a full name, or its family part
+    unknown = [o for o in only if not any(o in sel for sel in selectors.values())]
     if unknown:
         raise ValueError(f"only={only}: {unknown} name no proposer of this run; the names are "
                          f"{names} (the part before @ selects it for every draft)")
-    return [(n, p) for n, p in out if not only or {n, n.split("@")[0]} & set(only)]
+    return [(n, p) for n, p in out if not only or selectors[n] & set(only)]
 
 
 def _hybrid_modes(cfg: DictConfig) -> list[str]:
