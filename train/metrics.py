@@ -75,7 +75,10 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
                      lm_head_weight: Tensor | None = None, teacher_logits: Tensor | None = None,
                      temperature: float = 1.0, draft_to_target: Tensor | None = None,
                      chunk_size: int = 256, softcap: float | None = None) -> AcceptanceStats:
-    """Expected acceptance and top-1 agreement of one draft position, in chunks over T.
+    """Expected acceptance and top-1 agreement of one draft position, over its masked rows in
+    chunks: only the counted positions are scored, ``chunk_size`` of them at a time, so the
+    teacher's full-vocabulary log-probabilities never exceed (chunk_size, V) whatever the batch
+    (a (B, T) chunk of a 152k vocabulary held gigabytes in validation).
 
     Args:
         draft_logits: (B, T, V_draft).
@@ -83,7 +86,7 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
         teacher_hidden: (B, T, H) with ``lm_head_weight`` (V, H), or ``teacher_logits`` (B, T, V).
         temperature: sampling temperature for both (0 = greedy: alpha is top-1 agreement).
         draft_to_target: (V_draft,) long target id of each draft id (reduced vocabulary).
-        chunk_size: positions per chunk.
+        chunk_size: masked positions per chunk.
         softcap: the target's final logit soft-cap (hidden-state teachers), or None.
 
     Returns:
@@ -95,29 +98,24 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
         raise ValueError("teacher_hidden needs lm_head_weight (V, H)")
     teacher = teacher_hidden if teacher_hidden is not None else teacher_logits
     mask = mask.bool()
+    rows_q, rows_t = draft_logits[mask], teacher[mask]  # (N, V_draft), (N, H or V)
     alpha = torch.zeros((), device=draft_logits.device)
     top1 = torch.zeros((), device=draft_logits.device)
-    seq = draft_logits.shape[1]
-    for t0 in range(0, seq, chunk_size):
-        sl = slice(t0, min(seq, t0 + chunk_size))
-        m = mask[:, sl]
-        if not bool(m.any()):
-            continue
-        tau = temperature if temperature > 0 else 1.0
-        log_p = teacher_log_probs(teacher[:, sl], tau, lm_head_weight, None,
-                                  softcap=softcap)  # (B, c, V)
-        q_logits = draft_logits[:, sl].float()
+    tau = temperature if temperature > 0 else 1.0
+    for r0 in range(0, rows_q.shape[0], chunk_size):
+        log_p = teacher_log_probs(rows_t[r0:r0 + chunk_size], tau, lm_head_weight, None,
+                                  softcap=softcap)  # (c, V)
+        q_logits = rows_q[r0:r0 + chunk_size].float()
         draft_top = q_logits.argmax(-1)
         if draft_to_target is not None:
             draft_top = draft_to_target[draft_top]
-        agree = (draft_top == log_p.argmax(-1)) & m
-        top1 = top1 + agree.sum()
+        agree = (draft_top == log_p.argmax(-1)).sum()
+        top1 = top1 + agree
         if temperature == 0:
-            alpha = alpha + agree.sum()
+            alpha = alpha + agree
             continue
         if draft_to_target is not None:
             log_p = log_p[..., draft_to_target]  # restricted, not renormalised
         q = torch.softmax(q_logits / temperature, dim=-1)
-        acc = torch.minimum(log_p.exp(), q).sum(-1)
-        alpha = alpha + torch.where(m, acc, 0.0).sum()
+        alpha = alpha + torch.minimum(log_p.exp(), q).sum()
     return AcceptanceStats(alpha, top1, mask.sum().float())
