@@ -211,7 +211,7 @@ def test_acceptance_stats_from_hidden_greedy_and_reduced_vocab():
 def test_acceptance_stats_scores_only_masked_rows_a_chunk_at_a_time(monkeypatch):
     """The teacher's full-vocabulary block is at most chunk_size rows, masked rows only: a
     (B, T) chunk of a 152k vocabulary held gigabytes per validation batch."""
-    import draftsmith.train.metrics as metrics
+    from draftsmith.train import metrics
 
     seen, real = [], metrics.teacher_log_probs
     monkeypatch.setattr(metrics, "teacher_log_probs",
