@@ -94,6 +94,34 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def branch_from(src: str | Path, out_dir: str | Path) -> Path:
+    """Start the run in ``out_dir`` from another run's checkpoint ``src`` (``train.resume_from``):
+    the checkpoint is linked into ``out_dir/checkpoints/`` (hard links; a copy across file
+    systems) with the source run's ``validation_init.json`` and its ``train_log.jsonl`` rows up
+    to the checkpoint's step, so the run resumes from it as from its own and its log and curves
+    begin with the source's. The source run is only read. Returns the linked checkpoint."""
+    src, out_dir = Path(src), Path(out_dir)
+    step, source_run = load_trainer_state(src)["step"], src.parent.parent
+    dst = checkpoint_root(out_dir) / src.name
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copytree(src, tmp, copy_function=os.link)
+    except OSError:  # another file system
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+    if (init := source_run / "validation_init.json").is_file():
+        shutil.copy2(init, out_dir / init.name)
+    if (rows := source_run / "train_log.jsonl").is_file():
+        kept = [r for r in rows.read_text().splitlines()
+                if r.strip() and json.loads(r).get("step", 0) <= step]
+        (out_dir / rows.name).write_text("".join(r + "\n" for r in kept))
+    os.replace(tmp, dst)  # last: a branch killed before this starts again from the source
+    log.info("branched from %s: linked as %s, with the source's log up to step %d", src, dst, step)
+    return dst
+
+
 # ----------------------------------------------------------------------------- provenance
 # Resolved-config keys (and key prefixes) a resumed run may change: none of them changes the
 # weights a checkpoint holds or how training goes on from it. Where the run writes and what it
@@ -107,7 +135,7 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 RESUME_FREE_KEYS = ("name", "out_dir", "train.memory_check", "logging", "train.log_every",
                     "train.eval_every",
                     "train.eval_batches", "train.save_every", "train.keep_checkpoints",
-                    "train.resume", "train.count_flops", "train.cpu_threads",
+                    "train.resume", "train.resume_from", "train.count_flops", "train.cpu_threads",
                     "train.dist_timeout_s", "train.cache_wait_s",
                     "train.teacher_logits_budget", "train.teacher_per_token", "train.teacher_lse",
                     "data.cache.dir",

@@ -180,13 +180,31 @@ class DistillRecipe:
         or ``train.resume=false``): an earlier run's files are moved aside, never mixed in."""
         acc = self.accelerator
         last = ckpt.latest_checkpoint(self.out_dir) if self.cfg.train.resume else None
-        if last is not None:
+        branch = None if last is not None else self._branch_source()
+        if last is not None or branch is not None:
             current = OmegaConf.to_container(self.cfg, resolve=True)
-            ckpt.check_resumable(last, current, self.auto_keys)
-            return
+            ckpt.check_resumable(last or branch, current, self.auto_keys)
+            if last is not None:
+                return
         if acc.is_main_process:
             ckpt.move_previous_run(self.out_dir)
+            if branch is not None:
+                ckpt.branch_from(branch, self.out_dir)
         acc.wait_for_everyone()
+
+    def _branch_source(self) -> Path | None:
+        """``train.resume_from``: another run's checkpoint this run starts from, or None."""
+        src = self.cfg.train.get("resume_from")
+        if not src:
+            return None
+        if not self.cfg.train.resume:
+            raise ConfigError(f"train.resume_from={src} with train.resume=false: resume_from "
+                              "continues another run's checkpoint; drop one of the two")
+        if not (Path(src) / ckpt.STATE_FILE).is_file():
+            raise ConfigError(f"train.resume_from={src} is not a training checkpoint (no "
+                              f"{ckpt.STATE_FILE}): give a step-NNNNNN folder under another "
+                              "run's checkpoints/")
+        return Path(src)
 
     def _resume(self) -> None:
         acc = self.accelerator

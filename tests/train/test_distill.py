@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,6 +225,50 @@ def test_resume_check_catches_a_run_that_did_not_resume(variant, warm_cache, tmp
     with pytest.raises(AssertionError, match=re.escape(
             f"the relaunch trained steps {trained}, not 4..5 after the checkpoint of step 3")):
         _assert_resumed(forged, *args[1:])
+
+
+def test_resume_from_branches_another_runs_checkpoint(warm_cache, tmp_path, monkeypatch):
+    """train.resume_from: a new out_dir continues run A's step-2 checkpoint to step 4: A's
+    step-4 weights, A's log rows (the branch's own rows are steps 3 and 4 only), A untouched.
+    Twin: a branch that copies the log but not the checkpoint trains from step 0 (the same
+    seed: the same weights) and is caught by its log's steps."""
+    from draftsmith.train import checkpoint
+
+    common = TINY + ["draft=medusa", "train.save_every=2", "train.eval_every=2", "seed=5",
+                     "train.max_steps=4", "train.keep_checkpoints=5", "train.log_every=1"]
+    a = tmp_path / "a"
+    _run_inprocess(common + [f"out_dir={a}"])
+    src = a / "checkpoints" / "step-000002"
+    before = sorted(str(p.relative_to(a)) for p in a.rglob("*"))
+    real = checkpoint.branch_from
+    for variant, want in (("branch", [1, 2, 3, 4]), ("log-only", [1, 2, 1, 2, 3, 4])):
+        if variant == "log-only":  # the log and init validation stay, the checkpoint goes
+            monkeypatch.setattr(checkpoint, "branch_from",
+                                lambda source, out_dir: shutil.rmtree(real(source, out_dir)))
+        b = tmp_path / variant
+        _run_inprocess(common + [f"out_dir={b}", f"train.resume_from={src}"])
+        _assert_same(_weights(b), _weights(a), atol=0)
+        assert sorted(str(p.relative_to(a)) for p in a.rglob("*")) == before
+        assert [r["step"] for r in _log_rows(b) if "loss" in r] == want, variant
+    assert [r["step"] for r in _log_rows(a) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_resume_from_refuses_a_folder_that_is_no_checkpoint_or_another_config(warm_cache,
+                                                                            tmp_path):
+    from draftsmith.train import checkpoint
+    from draftsmith.train.config import ConfigError
+
+    common = TINY + ["draft=medusa", "train.max_steps=1"]  # warm_cache's run
+    src = checkpoint.latest_checkpoint(warm_cache)
+    with pytest.raises(ConfigError, match=r"train.resume_from=.*is not a training checkpoint"):
+        _run_inprocess(common + [f"out_dir={tmp_path / 'c'}", f"train.resume_from={warm_cache}"])
+    with pytest.raises(ConfigError, match=r"optim.lr: checkpoint"):
+        _run_inprocess(common + [f"out_dir={tmp_path / 'd'}", "optim.lr=0.5",
+                                 f"train.resume_from={src}"])
+    with pytest.raises(ConfigError, match=r"with train.resume=false"):
+        _run_inprocess(common + [f"out_dir={tmp_path / 'e'}", "train.resume=false",
+                                 f"train.resume_from={src}"])
+    assert not (tmp_path / "d" / "checkpoints").exists()  # refused before anything was linked
 
 
 @pytest.mark.slow
