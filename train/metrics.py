@@ -98,14 +98,15 @@ def acceptance_stats(draft_logits: Tensor, mask: Tensor, teacher_hidden: Tensor 
         raise ValueError("teacher_hidden needs lm_head_weight (V, H)")
     teacher = teacher_hidden if teacher_hidden is not None else teacher_logits
     mask = mask.bool()
-    rows_q, rows_t = draft_logits[mask], teacher[mask]  # (N, V_draft), (N, H or V)
+    b_idx, t_idx = mask.nonzero(as_tuple=True)  # the counted rows, gathered a chunk at a time
     alpha = torch.zeros((), device=draft_logits.device)
     top1 = torch.zeros((), device=draft_logits.device)
     tau = temperature if temperature > 0 else 1.0
-    for r0 in range(0, rows_q.shape[0], chunk_size):
-        log_p = teacher_log_probs(rows_t[r0:r0 + chunk_size], tau, lm_head_weight, None,
+    for r0 in range(0, b_idx.shape[0], chunk_size):
+        rows = b_idx[r0:r0 + chunk_size], t_idx[r0:r0 + chunk_size]
+        log_p = teacher_log_probs(teacher[rows], tau, lm_head_weight, None,
                                   softcap=softcap)  # (c, V)
-        q_logits = rows_q[r0:r0 + chunk_size].float()
+        q_logits = draft_logits[rows].float()
         draft_top = q_logits.argmax(-1)
         if draft_to_target is not None:
             draft_top = draft_to_target[draft_top]
