@@ -12,6 +12,7 @@ from typing import Any
 from draftsmith.data.cache_spec import FORMAT_VERSION, FeatureCacheError, write_json_replacing
 from draftsmith.data.chat import split_conversations, tokenize_conversations
 from draftsmith.data.features import all_gather, build_feature_cache
+from draftsmith.data.regen_reuse import load_reused, provenance, write_provenance
 from draftsmith.data.regenerate import regenerate_splits
 from draftsmith.data.sharegpt import read_sharegpt, select_conversations
 
@@ -19,7 +20,8 @@ DEFAULTS: dict[str, Any] = {
     "path": None, "skip_conversations": 0, "num_conversations": None, "max_length": 1024,
     "split": {"val": 0.02, "test": 0.02},
     "regenerate": {"enabled": False, "temperature": 0.0, "max_new_tokens": 256,
-                   "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None},
+                   "batch_size": 8, "max_prompt_tokens": 1024, "max_replies": None,
+                   "reuse": []},
     "cache": {"dir": None, "dtype": "auto", "layers": [], "batch_size": 8, "shard_size": 256,
               "local": False},
     "features": "offline",
@@ -152,15 +154,18 @@ def _regenerate(parts: dict[str, list], regen: dict[str, Any], target: Any, root
     rank, world, barrier = ranks
     splits = ("train", "val")
 
-    def regenerated() -> dict[str, list]:
+    def regenerated(reuse: dict | None = None) -> dict[str, list]:
         return regenerate_splits(
             {split: (parts[split], root / f"regenerated-{split}.jsonl") for split in splits},
             target, temperature=regen["temperature"], max_new_tokens=regen["max_new_tokens"],
             batch_size=regen["batch_size"], max_prompt_tokens=regen["max_prompt_tokens"],
-            max_replies=regen["max_replies"], progress=rank == 0)
+            max_replies=regen["max_replies"], progress=rank == 0, reuse=reuse)
 
     if rank == 0:  # rank 0 generates; the others then read its finished files
-        parts.update(regenerated())
+        prov = provenance(target, regen)
+        reuse = load_reused(regen["reuse"], prov)  # checked before any work
+        write_provenance(root, prov)  # the folder is reusable by later runs as it stands
+        parts.update(regenerated(reuse))
     if world > 1:
         barrier()
     if local:  # ... which are on rank 0's disk only: rank 0 sends the conversations
@@ -174,6 +179,12 @@ def _cache_key(c: dict[str, Any], target: Any, layers: list[int]
     """What names the caches of this data config (checked first: a bad setting is refused
     before any work), and the layer the final hidden state is recomputed from (or None)."""
     key_src = {k: c[k] for k in ("path", "num_conversations", "max_length", "split", "regenerate")}
+    if c["regenerate"]["reuse"] and not c["regenerate"]["enabled"]:
+        raise ValueError("data.regenerate.reuse takes earlier regenerated replies, but "
+                         "data.regenerate.enabled is false (the original replies are used): set "
+                         "data.regenerate.enabled=true, or leave data.regenerate.reuse empty")
+    # earlier replies taken instead of generated are the same replies: not part of the key
+    key_src["regenerate"] = {k: v for k, v in c["regenerate"].items() if k != "reuse"}
     skip = c["skip_conversations"]
     if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
         raise ValueError(f"data.skip_conversations={skip!r}: give a whole number >= 0 (how many "

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat_format import PLAIN_CHAT_TEMPLATE, PLAIN_STOP_STRINGS
+from draftsmith.data.regen_reuse import check_same_requests
 from draftsmith.data.sharegpt import Conversation
 
 
@@ -188,18 +189,47 @@ def regenerate_conversations(conversations: Sequence[Conversation], target: Any,
                              seed=seed, progress=progress, on_batch=on_batch)[""]
 
 
+def _record_line(conv: Conversation) -> str:
+    return json.dumps({"id": conv.id, "messages": conv.messages}, ensure_ascii=False) + "\n"
+
+
+def _take_reused(splits: Mapping[str, tuple[Sequence[Conversation], Any]],
+                 paths: Mapping[str, Path], done: dict[str, dict[str, Conversation]],
+                 reuse: Mapping[str, tuple[Conversation, Path]]) -> None:
+    """Append each split's not yet finished conversations that ``reuse`` holds to the split's
+    file (checked to answer the same requests first), as finished."""
+    for name, (convs, _) in splits.items():
+        taken = []
+        for conv in convs:
+            if conv.id in reuse and conv.id not in done[name]:
+                record, folder = reuse[conv.id]
+                check_same_requests(conv, record, folder)
+                taken.append(record)
+        if taken:
+            with open(paths[name], "a", encoding="utf-8") as f:
+                for record in taken:
+                    f.write(_record_line(record))
+                    done[name][record.id] = record
+                f.flush()
+                os.fsync(f.fileno())
+
+
 def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | Path]],
                       target: Any, temperature: float = 0.0, max_new_tokens: int = 256,
                       batch_size: int = 8, max_prompt_tokens: int = 1024,
                       max_replies: int | None = None, seed: int = 0, progress: bool = True,
-                      on_batch: Callable[[int], None] | None = None
+                      on_batch: Callable[[int], None] | None = None,
+                      reuse: Mapping[str, tuple[Conversation, Path]] | None = None
                       ) -> dict[str, list[Conversation]]:
     """:func:`regenerate_conversations` for several splits at once, each with its own jsonl
     file: ``splits`` maps a split name to ``(conversations, out_path)``. The splits'
     conversations share length-bucketed batches, so a small split (a validation set of a few
     dozen) does not pay a whole batch of ``max_new_tokens`` steps for a few rows; each finished
     conversation is appended to its own split's file. ``on_batch`` gets the number finished in
-    all splits. Returns each split's regenerated conversations, in input order."""
+    all splits. ``reuse`` maps ids to conversations an earlier run regenerated (and the folder
+    each came from, :func:`draftsmith.data.regen_reuse.load_reused`): those are written to
+    their split's file as they are instead of generated again. Returns each split's
+    regenerated conversations, in input order."""
     if temperature < 0 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError("need temperature >= 0, max_new_tokens >= 1 and batch_size >= 1; got "
                          f"{temperature}, {max_new_tokens}, {batch_size}")
@@ -220,6 +250,8 @@ def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | P
     for name, path in paths.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         done[name] = _load_done(path)
+    if reuse:
+        _take_reused(splits, paths, done, reuse)
     # length buckets: conversations whose first prompts have similar token lengths share a
     # batch (every row is padded to the batch's longest prompt, so one long prompt in a batch
     # of short ones multiplies its cost); the order depends on the inputs only, so a resumed run
@@ -243,8 +275,7 @@ def regenerate_splits(splits: Mapping[str, tuple[Sequence[Conversation], str | P
             for (name, _), c in zip(batch, _regenerate_batch(
                     model, target.tokenizer, convs, temperature, max_new_tokens,
                     max_prompt_tokens, max_replies, stopping)):
-                files[name].write(json.dumps({"id": c.id, "messages": c.messages},
-                                             ensure_ascii=False) + "\n")
+                files[name].write(_record_line(c))
                 done[name][c.id] = c
             for name in {name for name, _ in batch}:
                 files[name].flush()

@@ -129,7 +129,8 @@ def branch_from(src: str | Path, out_dir: str | Path) -> Path:
 # checkpoints it keeps (eval_batches only sizes validation); whether it resumes; FLOP counting;
 # CPU threads; how the teacher is computed (teacher_logits_budget chunks the same math,
 # teacher_per_token computes each distinct row once, equal to the per-position path); where the
-# feature cache lives (its key is the data settings, which are compared); the target's label
+# feature cache lives (its key is the data settings, which are compared) and which earlier
+# regenerations it takes replies from (the same replies, checked); the target's label
 # (not part of its identity). Everything else, e.g. optim.lr, seed, draft.*, loss.*, data.*
 # and the launcher, must be equal.
 RESUME_FREE_KEYS = ("name", "out_dir", "train.memory_check", "logging", "train.log_every",
@@ -138,7 +139,7 @@ RESUME_FREE_KEYS = ("name", "out_dir", "train.memory_check", "logging", "train.l
                     "train.resume", "train.resume_from", "train.count_flops", "train.cpu_threads",
                     "train.dist_timeout_s", "train.cache_wait_s",
                     "train.teacher_logits_budget", "train.teacher_per_token", "train.teacher_lse",
-                    "data.cache.dir",
+                    "data.cache.dir", "data.regenerate.reuse",
                     "target.name")
 # May grow (a longer run continues the same one); a smaller value is a difference.
 GROWING_KEYS = ("train.max_steps",)

@@ -138,3 +138,15 @@ def test_a_checkpoint_from_before_the_draftsmith_namespace_resumes():
     other = {"loss": {"_target_": "draftsmith.train.losses.OtherLoss", "temperature": 1.0}}
     (diff,) = config_differences(old, other)
     assert diff.startswith("loss._target_: checkpoint 'train.losses.DistillLoss', this run")
+
+
+def test_a_checkpoint_from_before_regeneration_reuse_resumes_with_it():
+    """The released Qwen runs' configs have no data.regenerate.reuse; a run that takes their
+    committed replies resumes them. Another regeneration setting still differs."""
+    old = {"data": {"regenerate": {"enabled": True, "max_new_tokens": 256}}}
+    new = {"data": {"regenerate": {"enabled": True, "max_new_tokens": 256,
+                                   "reuse": ["bench/qwen/regen_3k"]}}}
+    assert config_differences(old, new) == []
+    new["data"]["regenerate"]["max_new_tokens"] = 128
+    assert config_differences(old, new) == [
+        "data.regenerate.max_new_tokens: checkpoint 256, this run 128"]
