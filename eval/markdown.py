@@ -1,8 +1,8 @@
 """Markdown the tools write: one table writer and one file writer.
 
 The sweep report (``eval/report.py``), the benchmarks (``scripts/bench*.py``) and the engines'
-comparison (``scripts/engines.py``) build their documents as lines with :func:`table` and write
-them with :func:`write_markdown`.
+comparison (``scripts/engines_report.py``) build their documents as lines with :func:`table`
+and write them with :func:`write_markdown`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The base of every draft family: :class:`DraftFamily` (what a family owns and the hooks it may
-override), how it drafts trees (:class:`TreeKind`) and the error a misfitting stored state raises.
-The families themselves and ``FAMILIES``, the one list: ``heads/family.py``.
+override), how it drafts trees (:class:`TreeKind`), the error a misfitting stored state raises
+and the export formats it writes (:class:`ExportFormat`; :func:`house_export` for draftsmith's own
+writers and readers). The families of the house: ``heads/family_lm.py``, ``family_medusa.py``,
+``family_fused.py`` (EAGLE, DFlash); ``FAMILIES``, the one list: ``heads/family.py``.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from draftsmith.heads.weights import load_weights, save_weights
+from draftsmith.heads.weights import WEIGHTS, load_weights, save_weights
 
 
 class TreeKind(enum.Enum):
@@ -50,6 +52,14 @@ class ExportFormat:
     weights_file: str
     engine: str
     method: str | None = None
+
+
+def house_export(name: str, writer: str, engine: str = "vllm", method: str | None = None,
+                 weights_file: str = WEIGHTS, module: str = "export_formats") -> ExportFormat:
+    """An export format of draftsmith's own: written by ``scripts/<module>.py:<writer>``, read by
+    ``heads.exports._read_<name>``."""
+    return ExportFormat(name, f"draftsmith.scripts.{module}.{writer}",
+                        f"draftsmith.heads.exports._read_{name}", weights_file, engine, method)
 
 
 @dataclass(frozen=True)

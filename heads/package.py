@@ -282,7 +282,7 @@ def load_package(pkg_dir: str | Path, target: Any = None, allow_unverified: bool
         allow_unsigned: load an unsigned package, or one signed by an untrusted key (logs a loud
             warning; also ``DRAFTSMITH_ALLOW_UNSIGNED=1``); the manifest is still checked.
         trusted_keys: PEM public keys (files or folders) trusted beside the default ones
-            (``heads.signing``).
+            (``heads.keys``).
 
     The trusted signer's fingerprint is ``info["signer"]`` (None when the check was overridden).
 

@@ -57,7 +57,7 @@ def _engine(job: dict, model: str, speculative_config: dict | None):
 
     return LLM(model=model, dtype="float32", max_model_len=int(job["max_model_len"]),
                enforce_eager=True, disable_log_stats=False, seed=int(job["seed"]),
-               max_num_seqs=1, distributed_executor_backend="uni",  # see engines.py
+               max_num_seqs=1, distributed_executor_backend="uni",  # see engine_envs.py
                speculative_config=speculative_config)
 
 

@@ -1,5 +1,6 @@
-"""heads/family.py directly: the registry, build -> save -> load on a tiny target, the stored
-tensors, the config checks, export formats and the per-family position defaults."""
+"""The draft families directly: the registry (heads/family.py), build -> save -> load on a tiny
+target, the stored tensors, the config checks, export formats and the per-family position
+defaults."""
 from __future__ import annotations
 
 import importlib

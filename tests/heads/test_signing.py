@@ -1,4 +1,5 @@
-"""Signed packages (heads/signing.py): who made a package is checked before it is trusted."""
+"""Signed packages (heads/signing.py; the keys and trusted signers, heads/keys.py): who made a
+package is checked before it is trusted."""
 from __future__ import annotations
 
 import json
@@ -11,18 +12,20 @@ import pytest
 from conftest import make_tiny_target
 
 from draftsmith.data.identity import sha256_file
-from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
-from draftsmith.heads.medusa import MedusaConfig, build_medusa
-from draftsmith.heads.package import load_package, save_package, update_package_json
-from draftsmith.heads.signing import (
+from draftsmith.heads.keys import (
     RELEASE_KEYS,
-    PackageSignatureError,
     _load_public,
     fingerprint,
     local_signing_key,
     public_key_of,
-    sign_folder,
     signing_key_path,
+)
+from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
+from draftsmith.heads.medusa import MedusaConfig, build_medusa
+from draftsmith.heads.package import load_package, save_package, update_package_json
+from draftsmith.heads.signing import (
+    PackageSignatureError,
+    sign_folder,
     verify_folder_signature,
 )
 from draftsmith.heads.weights import WEIGHTS
@@ -50,7 +53,7 @@ def _other_key(tmp_path: Path) -> Path:
 
 def test_a_fresh_key_is_private_logged_and_has_a_public_key(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DRAFTSMITH_SIGNING_KEY", str(tmp_path / "cfg" / "signing-key.pem"))
-    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.signing"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.heads.keys"):
         key = local_signing_key()
     assert key == signing_key_path() == tmp_path / "cfg" / "signing-key.pem"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
@@ -193,7 +196,7 @@ def test_release_keys_are_trusted_by_default():
                                       "draftsmith-release.pub"]
     assert all(b"PRIVATE" not in p.read_bytes() for p in RELEASE_KEYS.parent.rglob("*")
                if p.is_file() and p.suffix in (".pub", ".pem", ".key"))  # public keys only
-    from draftsmith.heads.signing import trusted_public_keys
+    from draftsmith.heads.keys import trusted_public_keys
 
     assert {_fp(k) for k in keys} <= set(trusted_public_keys())
 

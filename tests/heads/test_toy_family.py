@@ -21,8 +21,9 @@ from draftsmith.eval.decoding.decoder import SpeculativeDecoder
 from draftsmith.eval.decoding.proposers import DraftLMProposer
 from draftsmith.eval.draft import build_proposer, load_draft, settle
 from draftsmith.heads.exports import export_format, format_family, import_export
-from draftsmith.heads.family import FAMILIES, DraftLMFamily, get_family, register, unregister
+from draftsmith.heads.family import FAMILIES, get_family, register, unregister
 from draftsmith.heads.family_base import ExportFormat
+from draftsmith.heads.family_lm import DraftLMFamily
 from draftsmith.heads.weights import WEIGHTS
 from draftsmith.scripts.bench_drafts import draft_paths, package_k
 from draftsmith.scripts.export import export_package

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from draftsmith.heads.family import get_family
-from draftsmith.scripts import engines
+from draftsmith.scripts import engine_jobs, engines
 from draftsmith.scripts.engine_speed import best_draft_length, from_timings, paired_speedup
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_runner_timings_become_tokens_per_s_and_the_best_k_is_the_fastest():
 # ----- llama-server's runner --------------------------------------------------------------------
 def _runner():
     spec = importlib.util.spec_from_file_location("llama_server_run",
-                                                  engines.RUNNERS / "llama_server_run.py")
+                                                  engine_jobs.RUNNERS / "llama_server_run.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

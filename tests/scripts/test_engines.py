@@ -1,4 +1,5 @@
-"""scripts/engines.py: the parts that need no engine (the engine runs are `make engines`)."""
+"""scripts/engines.py, its engine jobs (scripts/engine_jobs.py) and its report
+(scripts/engines_report.py): the parts that need no engine (the engine runs are `make engines`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,25 +8,25 @@ import pytest
 
 from draftsmith.eval.markdown import write_markdown
 from draftsmith.heads.family import FAMILIES
-from draftsmith.scripts import engine_envs, engines
+from draftsmith.scripts import engine_envs, engine_jobs, engines, engines_report
 
 
 def test_every_export_format_has_an_engine_to_run_it():
     layouts = [e for family in FAMILIES.values() for e in family.exports]
-    assert {e.engine for e in layouts} <= set(engines.ENVS)
+    assert {e.engine for e in layouts} <= set(engine_envs.ENVS)
     assert {e.name: e.method for e in layouts if e.engine == "vllm"} == {
         "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "hf": "draft_model",
         "speculators": None, "dflash": None}
     # a gguf from llama.cpp's own converter runs in llama-server, a draft LM's in the binding
     assert {engines.format_engine("gguf", f) for f in FAMILIES.values()
             if "gguf" in f.export_formats} == {"llama_cpp", "llama_server"}
-    assert set(engines.SPEC_TYPES) == {f.gguf_layout for f in FAMILIES.values()} - {None}
+    assert set(engine_jobs.SPEC_TYPES) == {f.gguf_layout for f in FAMILIES.values()} - {None}
 
 
 def test_acceptance_per_position_is_accepted_over_speculative_steps():
-    assert engines.per_position([7, 0], 86, 2) == pytest.approx([7 / 86, 0.0])
-    assert engines.per_position([5], 10, 3) == [0.5, None, None]  # positions never reported
-    assert engines.per_position([], 0, 2) == [None, None]
+    assert engine_jobs.per_position([7, 0], 86, 2) == pytest.approx([7 / 86, 0.0])
+    assert engine_jobs.per_position([5], 10, 3) == [0.5, None, None]  # positions never reported
+    assert engine_jobs.per_position([], 0, 2) == [None, None]
 
 
 def test_a_missing_environment_is_a_row_with_the_error(tmp_path, monkeypatch):
@@ -35,8 +36,8 @@ def test_a_missing_environment_is_a_row_with_the_error(tmp_path, monkeypatch):
         return Done()
 
     monkeypatch.setattr(engine_envs.subprocess, "run", failing)
-    with pytest.raises(engines.EngineUnavailable, match="No matching distribution"):
-        engines.ensure_env("vllm", tmp_path)
+    with pytest.raises(engine_envs.EngineUnavailable, match="No matching distribution"):
+        engine_envs.ensure_env("vllm", tmp_path)
 
 
 class FakeBuild:
@@ -67,7 +68,7 @@ def test_concurrent_callers_make_an_environment_once(tmp_path, monkeypatch):
     fake = FakeBuild()
     monkeypatch.setattr(engine_envs.subprocess, "run", fake)
     got = []
-    callers = [threading.Thread(target=lambda: got.append(engines.ensure_env("vllm", tmp_path)))
+    callers = [threading.Thread(target=lambda: got.append(engine_envs.ensure_env("vllm", tmp_path)))
                for _ in range(3)]
     for t in callers:
         t.start()
@@ -84,9 +85,9 @@ def test_an_environment_whose_build_was_killed_is_made_again_from_scratch(tmp_pa
     (half / "__init__.py").write_text("")  # a package pip was writing when the build stopped
     fake = FakeBuild()
     monkeypatch.setattr(engine_envs.subprocess, "run", fake)
-    engines.ensure_env("vllm", tmp_path)
+    engine_envs.ensure_env("vllm", tmp_path)
     assert not half.exists() and len(fake.builds) == 1
-    engines.ensure_env("vllm", tmp_path)  # stamped now: nothing is made again
+    engine_envs.ensure_env("vllm", tmp_path)  # stamped now: nothing is made again
     assert len(fake.builds) == 1
 
 
@@ -101,7 +102,7 @@ def test_the_table_has_a_row_per_run_and_names_errors(tmp_path):
             {"draft": "runs/eagle", "format": "speculators", "engine": "vllm", "loads": False,
              "error": "ValidationError: Expected one of: eagle3 | peagle"}]
     path = Path(tmp_path) / "engines.md"
-    write_markdown(path, engines.rows_markdown(rows))
+    write_markdown(path, engines_report.rows_markdown(rows))
     lines = path.read_text().splitlines()
     assert len(lines) == 2 + len(rows)
     assert ("| 0.08 0.00 | 0.08 0.00 | True | 0.74x (0.70-0.80, 3 prompts, noisy) | 2 / 1 / 5 |"
@@ -116,7 +117,7 @@ def test_llama_cpp_acceptance_is_scored_against_the_produced_tokens():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("llama_cpp_run",
-                                                  engines.RUNNERS / "llama_cpp_run.py")
+                                                  engine_jobs.RUNNERS / "llama_cpp_run.py")
     runner = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(runner)  # imports numpy only; llama_cpp is imported inside runs
     seq = [5, 6, 7, 8, 9, 10]
@@ -125,25 +126,25 @@ def test_llama_cpp_acceptance_is_scored_against_the_produced_tokens():
              (4, [1, 10]),  # first wrong: the second is not counted even though it matches
              (5, [10, 11])]  # runs past the output: not judged
     assert runner._score(calls, seq, 2) == (3, [2, 1])
-    assert engines.engine_acceptance("llama_cpp", {"draft_calls": 3,
-                                                   "accepted_per_position": [2, 1]}, 2) == \
+    assert engine_jobs.engine_acceptance("llama_cpp", {"draft_calls": 3,
+                                                       "accepted_per_position": [2, 1]}, 2) == \
         pytest.approx([2 / 3, 1 / 3])
-    assert engines.engine_acceptance("vllm", {"vllm:spec_decode_num_drafts": 4,
-                                              "vllm:spec_decode_num_accepted_tokens_per_pos":
-                                                  [2, 1]}, 2) == pytest.approx([0.5, 0.25])
+    assert engine_jobs.engine_acceptance("vllm", {"vllm:spec_decode_num_drafts": 4,
+                                                  "vllm:spec_decode_num_accepted_tokens_per_pos":
+                                                      [2, 1]}, 2) == pytest.approx([0.5, 0.25])
 
 
 def test_each_format_runs_in_its_engine_the_way_the_engine_reads_it(tmp_path):
-    assert engines.engine_run("eagle3", tmp_path, 2)["speculative_config"] == {
+    assert engine_jobs.engine_run("eagle3", tmp_path, 2)["speculative_config"] == {
         "model": str(tmp_path), "num_speculative_tokens": 2, "method": "eagle3"}
-    spec = engines.engine_run("speculators", tmp_path, 2)  # the export is served as the model
+    spec = engine_jobs.engine_run("speculators", tmp_path, 2)  # the export is served as the model
     assert spec["model"] == str(tmp_path) and "method" not in spec["speculative_config"]
-    gguf = engines.engine_run("gguf", tmp_path, 3)
+    gguf = engine_jobs.engine_run("gguf", tmp_path, 3)
     assert gguf["draft"] == str(tmp_path / "draft.gguf") and gguf["k"] == 3
-    server = engines.engine_run("gguf", tmp_path, 7, "llama_server", "zlab_dflash", [1, 2], 3)
+    server = engine_jobs.engine_run("gguf", tmp_path, 7, "llama_server", "zlab_dflash", [1, 2], 3)
     assert server["spec_type"] == "draft-dflash" and server["sweep"] == [1, 2]
     assert server["sweep_prompts"] == 3
-    assert engines.LOADERS["speculators"] in engines.ENVS
+    assert engines.LOADERS["speculators"] in engine_envs.ENVS
 
 
 def test_an_engine_core_failure_keeps_its_root_cause(tmp_path, monkeypatch):
@@ -160,11 +161,11 @@ def test_an_engine_core_failure_keeps_its_root_cause(tmp_path, monkeypatch):
         "job = json.load(open(sys.argv[1]))\n"
         "json.dump({'version': 'x', 'runs': [{'ok': False, 'error': job['error']}]},"
         " open(sys.argv[2], 'w'))\n")
-    monkeypatch.setattr(engines, "RUNNERS", tmp_path)
+    monkeypatch.setattr(engine_jobs, "RUNNERS", tmp_path)
     python = Path(sys.executable)
     core = "RuntimeError: Engine core initialization failed. See root cause above."
-    (run,) = engines.run_engine("fake", python, {"error": core}, timeout_s=60)
+    (run,) = engine_jobs.run_engine("fake", python, {"error": core}, timeout_s=60)
     assert "does not support EAGLE-3" in run["error"] and "INFO" not in run["error"]
-    (own,) = engines.run_engine("fake", python, {"error": "ValueError: bad export"},
-                                timeout_s=60)
+    (own,) = engine_jobs.run_engine("fake", python, {"error": "ValueError: bad export"},
+                                    timeout_s=60)
     assert own["error"] == "ValueError: bad export"

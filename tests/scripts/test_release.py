@@ -11,16 +11,10 @@ from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import build_eagle
 from draftsmith.heads.eagle_config import EagleConfig
+from draftsmith.heads.keys import RELEASE_KEYS, _load_public, fingerprint, public_key_of
 from draftsmith.heads.manifest import MANIFEST, SIGNATURE, PackageIntegrityError
 from draftsmith.heads.package import load_package, save_package, verify_package
-from draftsmith.heads.signing import (
-    RELEASE_KEYS,
-    PackageSignatureError,
-    _load_public,
-    fingerprint,
-    public_key_of,
-    sign_folder,
-)
+from draftsmith.heads.signing import PackageSignatureError, sign_folder
 from draftsmith.heads.vocab import TOKEN_FREQUENCY, frequency_record
 from draftsmith.heads.weights import WEIGHTS, WEIGHTS_INDEX, load_weights
 from draftsmith.scripts.release import recipe_steps, release, run_recipe
