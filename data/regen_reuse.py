@@ -66,9 +66,11 @@ def _differences(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str
     return out
 
 
-def _read_records(path: Path) -> Iterable[Conversation]:
-    """Finished conversations of a regeneration file, read only (a half-written last line, which
-    a killed writer leaves, is passed over, not cut off the file)."""
+def read_records(path: Path) -> Iterable[Conversation]:
+    """Finished conversations of a regeneration file, read only: a half-written last line, which
+    a killed writer leaves, is passed over. Records end at b"\\n" only: str.splitlines would
+    also cut at U+2028, U+0085 and the like, which json.dumps(ensure_ascii=False) leaves
+    unescaped inside replies."""
     if not path.exists():
         return
     raw = path.read_bytes()
@@ -79,8 +81,8 @@ def _read_records(path: Path) -> Iterable[Conversation]:
                 yield Conversation(id=rec["id"], messages=rec["messages"])
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n} is not a regenerated conversation ({e}); the "
-                                 "file is damaged: restore it or drop its folder from "
-                                 "data.regenerate.reuse") from e
+                                 "file is damaged: restore it, or remove it to regenerate "
+                                 "(or drop its folder from data.regenerate.reuse)") from e
 
 
 def load_reused(folders: Iterable[str | Path], prov: Mapping[str, Any]
@@ -111,7 +113,7 @@ def load_reused(folders: Iterable[str | Path], prov: Mapping[str, Any]
                              "or set data.regenerate (and the target) as the folder's "
                              f"{PROVENANCE_FILE} says")
         for split in ("train", "val"):
-            for conv in _read_records(folder / f"regenerated-{split}.jsonl"):
+            for conv in read_records(folder / f"regenerated-{split}.jsonl"):
                 out.setdefault(conv.id, (conv, folder))
     return out
 

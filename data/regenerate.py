@@ -19,27 +19,19 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat_format import PLAIN_CHAT_TEMPLATE, PLAIN_STOP_STRINGS
-from draftsmith.data.regen_reuse import check_same_requests
+from draftsmith.data.regen_reuse import check_same_requests, read_records
 from draftsmith.data.sharegpt import Conversation
 
 
 def _load_done(path: Path) -> dict[str, Conversation]:
     """Finished conversations in a jsonl file; a trailing partial line is cut off the file."""
-    done: dict[str, Conversation] = {}
-    if not path.exists():
-        return done
-    raw = path.read_bytes()
-    good = raw[: raw.rfind(b"\n") + 1]
-    if len(good) != len(raw):
-        with open(path, "r+b") as f:  # a killed writer left half a line
-            f.truncate(len(good))
-    # records end at b"\n" only: str.splitlines would also cut at U+2028, U+0085 and the like,
-    # which json.dumps(ensure_ascii=False) leaves unescaped inside replies
-    for line in good.split(b"\n"):
-        if line.strip():
-            rec = json.loads(line.decode("utf-8"))
-            done[rec["id"]] = Conversation(id=rec["id"], messages=rec["messages"])
-    return done
+    if path.exists():
+        raw = path.read_bytes()
+        good = len(raw[: raw.rfind(b"\n") + 1])
+        if good != len(raw):
+            with open(path, "r+b") as f:  # a killed writer left half a line
+                f.truncate(good)
+    return {c.id: c for c in read_records(path)}
 
 
 def _first_prompt_tokens(messages: Sequence[dict[str, str]], tokenizer: Any) -> int:
